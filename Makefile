@@ -1,0 +1,36 @@
+# bigbatch developer targets. Every target creates .venv in the repository root itself.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# CPU build of torch where there is no GPU (a bare `torch` pulls a multi-GB CUDA build).
+TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo "torch"; else echo "torch==2.13.0"; fi)
+
+.PHONY: install test test-all demo bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ""
+
+demo: $(STAMP)
+	$(PY) examples/engine_example.py
+
+bench: $(STAMP)
+	$(PY) bench/engine_overhead.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

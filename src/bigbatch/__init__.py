@@ -1,0 +1,25 @@
+"""bigbatch: exact gradient caching (GradCache) for contrastive training of embedding
+models at batch sizes far beyond accelerator memory.
+
+Public names::
+
+    bb.GradCache, bb.StepResult          # the engine (bigbatch.cache)
+    bb.InfoNCE, bb.LogitScale, bb.LossOutput   # losses (bigbatch.losses)
+    bb.RandContext                       # random-state replay (bigbatch.rng)
+    bb.functional.cached                 # luyug-style functional API
+    bb.errors                            # exception classes
+"""
+
+from . import errors, functional
+from .cache import GradCache, StepResult
+from .errors import BigBatchError, ConfigError, DataError, InputError, NonFiniteError, ShapeError
+from .losses import InfoNCE, LogitScale, LossOutput
+from .rng import RandContext
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GradCache", "StepResult", "InfoNCE", "LogitScale", "LossOutput", "RandContext",
+    "functional", "errors", "BigBatchError", "ConfigError", "InputError", "ShapeError",
+    "NonFiniteError", "DataError", "__version__",
+]

@@ -1,0 +1,468 @@
+"""The GradCache engine: one optimizer step whose gradients equal those of the full
+batch while only one chunk's activations are alive at a time.
+
+For every step the engine:
+
+1. embeds each chunk of each tower with gradients off, recording the random state
+   of the chunk (:class:`bigbatch.rng.RandContext`) so dropout can be replayed;
+2. computes the loss on all cached embeddings (detached leaves) and backpropagates
+   to them, which yields ``dL/d(embedding)`` for every example (and the gradient of
+   the loss's own parameters, such as a learnable temperature);
+3. re-embeds each chunk with gradients on, under its recorded random state, and
+   backpropagates ``dL/d(embedding)`` into the tower's parameters.
+
+By the chain rule the parameter gradients are those of the full-batch loss. The last
+chunk of the last trainable tower is embedded with gradients already in step 1 and
+its graph kept, so it is not replayed (one forward saved per step, at the memory cost
+of that single chunk's activations). A tower without trainable parameters is embedded
+once and never replayed.
+
+The engine is small and overridable, as luyug/GradCache's is: subclass and override
+:meth:`GradCache.split_inputs` (how a tower's inputs become chunks), :meth:`GradCache.embed`
+(how a tower is called on a chunk), or :meth:`GradCache.compute_loss`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .errors import ConfigError, InputError, NonFiniteError, ShapeError
+from .rng import RandContext
+
+__all__ = ["GradCache", "StepResult"]
+
+Chunk = Any  # a Tensor, a dict of tensors (keyword arguments), or a collated raw chunk
+
+
+@dataclass
+class StepResult:
+    """What :meth:`GradCache.step` returns.
+
+    Attributes:
+        loss: the detached full-batch loss (unscaled, even with a GradScaler).
+        metrics: the loss's detached metrics (0-d tensors), e.g. ``pos_sim``, ``accuracy``.
+    """
+
+    loss: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, float]:
+        """Loss and metrics as Python floats, with one host-device synchronisation."""
+        keys = ["loss", *self.metrics]
+        values = torch.stack([self.loss.float(), *(v.float() for v in self.metrics.values())])
+        return dict(zip(keys, values.tolist()))
+
+
+@dataclass
+class _TowerRun:
+    """Per-tower state kept between the three steps of one ``step()``."""
+
+    name: str
+    trainable: bool
+    chunks: list[Chunk]
+    rows: list[int]
+    order: Tensor | None  # permutation applied before chunking (length ordering)
+    contexts: list[RandContext] = field(default_factory=list)
+    reps: Tensor | None = None
+    kept: Tensor | None = None  # last chunk's embedding with its graph, not replayed
+
+
+def _loss_parameters(loss_fn: Callable) -> tuple[set[str], bool]:
+    """Names the loss accepts as keywords, and whether it takes ``**kwargs``."""
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return set(), True
+    names, var_kw = set(), False
+    for p in sig.parameters.values():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            var_kw = True
+        elif p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+            names.add(p.name)
+    return names, var_kw
+
+
+def _is_trainable(tower: Callable) -> bool:
+    params = getattr(tower, "parameters", None)
+    if not callable(params):
+        return True  # a plain function: we cannot know, so treat it as trainable
+    return any(p.requires_grad for p in params())
+
+
+def _rows_of(inputs: Any, name: str) -> int:
+    if isinstance(inputs, Tensor):
+        if inputs.dim() == 0:
+            raise InputError(f"input for tower {name!r} is a 0-d tensor; give one row per example")
+        return inputs.shape[0]
+    if isinstance(inputs, Mapping):
+        rows = {k: v.shape[0] for k, v in inputs.items() if isinstance(v, Tensor) and v.dim() > 0}
+        if not rows:
+            raise InputError(f"input dict for tower {name!r} holds no tensor with a batch dimension")
+        if len(set(rows.values())) > 1:
+            raise InputError(f"input dict for tower {name!r} has tensors with different batch "
+                             f"sizes {rows}; every tensor's first dimension must be the batch "
+                             f"(override GradCache.split_inputs for other layouts)")
+        return next(iter(rows.values()))
+    if isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)):
+        return len(inputs)
+    raise InputError(f"input for tower {name!r} must be a tensor, a dict of tensors or a list of "
+                     f"raw examples (with collate_fn), got {type(inputs).__name__}")
+
+
+def _index_rows(inputs: Any, index: Tensor, n: int) -> Any:
+    """Select rows ``index`` from a tensor, from each batch-aligned value of a dict, or a list."""
+    if isinstance(inputs, Tensor):
+        return inputs.index_select(0, index.to(inputs.device))
+    if isinstance(inputs, Mapping):
+        return {k: _index_rows(v, index, n) if _batch_aligned(v, n) else v
+                for k, v in inputs.items()}
+    idx = index.tolist()
+    return [inputs[i] for i in idx]
+
+
+def _batch_aligned(value: Any, n: int) -> bool:
+    if isinstance(value, Tensor):
+        return value.dim() > 0 and value.shape[0] == n
+    return isinstance(value, (list, tuple)) and len(value) == n
+
+
+def _slice_rows(value: Any, lo: int, hi: int, n: int) -> Any:
+    if isinstance(value, Tensor) or isinstance(value, (list, tuple)):
+        return value[lo:hi] if _batch_aligned(value, n) else value
+    return value
+
+
+def _to_device(obj: Any, device: torch.device | None) -> Any:
+    if device is None:
+        return obj
+    if isinstance(obj, Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, Mapping):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _first_device(obj: Any) -> torch.device | None:
+    if isinstance(obj, Tensor):
+        return obj.device
+    if isinstance(obj, Mapping):
+        for v in obj.values():
+            dev = _first_device(v)
+            if dev is not None:
+                return dev
+    return None
+
+
+class GradCache:
+    """Exact gradient caching for contrastive losses over one or more towers.
+
+    Args:
+        towers: ``{name: tower}``; a tower is any callable from one chunk of inputs to a
+            ``(rows, dim)`` tensor. A dict chunk is passed as keyword arguments
+            (``tower(**chunk)``, as Hugging Face models expect), anything else as the one
+            positional argument. The same module may serve several towers.
+        loss_fn: called as ``loss_fn(**{name: embeddings}, **loss_kwargs)``; returns a scalar
+            tensor, a ``(loss, metrics)`` pair (e.g. :class:`bigbatch.InfoNCE`) or a dict with
+            a ``"loss"`` key. Any loss works, not only InfoNCE.
+        chunk_size: rows per chunk, one int for all towers or ``{name: int}``.
+        collate_fn: for towers fed lists of raw examples: a callable (all towers) or
+            ``{name: callable}`` that turns a list of examples into a tensor or dict.
+        device: if given, each chunk is moved there just before its tower runs, so a batch
+            far larger than accelerator memory can be held on the host.
+        autocast_dtype: run the towers under ``torch.autocast`` with this dtype
+            (``torch.bfloat16`` or ``torch.float16``); loss and surrogate stay in float32.
+        scaler: a ``torch.amp.GradScaler`` for float16: the loss is scaled before its
+            backward, so the cached and parameter gradients come out scaled; call
+            ``scaler.step(optimizer)`` and ``scaler.update()`` as usual.
+        sort_by_length: order examples by token count (``attention_mask``) before chunking,
+            so chunks hold similar lengths; embeddings are put back in the original order
+            before the loss, so the result is that of the unordered run.
+        trim_padding: cut each chunk of tokenized inputs to its own longest row (columns
+            that are padding in every row of the chunk are dropped; both padding sides).
+        reuse_last_chunk: embed the final chunk with gradients in step 1 and keep its graph,
+            saving its replay.
+        check_finite: raise :class:`NonFiniteError` on NaN/inf embeddings or loss, before
+            any gradient is written (one host-device synchronisation per step).
+
+    Raises:
+        ConfigError: bad options (chunk size <= 0, a loss that does not take a tower's name).
+    """
+
+    def __init__(self, towers: Mapping[str, Callable[..., Tensor]], loss_fn: Callable[..., Any],
+                 chunk_size: int | Mapping[str, int], *,
+                 collate_fn: Callable[[list], Any] | Mapping[str, Callable[[list], Any]] | None = None,
+                 device: torch.device | str | None = None,
+                 autocast_dtype: torch.dtype | None = None,
+                 scaler: Any = None,
+                 sort_by_length: bool = False,
+                 trim_padding: bool = True,
+                 reuse_last_chunk: bool = True,
+                 check_finite: bool = True) -> None:
+        if not isinstance(towers, Mapping) or not towers:
+            raise ConfigError("towers must be a non-empty dict {name: callable}, e.g. "
+                              "{'query': encoder, 'doc': encoder}")
+        for name, tower in towers.items():
+            if not callable(tower):
+                raise ConfigError(f"tower {name!r} is not callable ({type(tower).__name__})")
+        self.towers: dict[str, Callable[..., Tensor]] = dict(towers)
+        self.loss_fn = loss_fn
+        self.chunk_sizes = self._chunk_sizes(chunk_size)
+        if collate_fn is None or callable(collate_fn):
+            self.collate_fns = {n: collate_fn for n in self.towers}
+        else:
+            unknown = set(collate_fn) - set(self.towers)
+            if unknown:
+                raise ConfigError(f"collate_fn names unknown towers {sorted(unknown)}; "
+                                  f"towers are {list(self.towers)}")
+            self.collate_fns = {n: collate_fn.get(n) for n in self.towers}
+        self.device = torch.device(device) if device is not None else None
+        if autocast_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
+            raise ConfigError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None, "
+                              f"got {autocast_dtype!r}")
+        self.autocast_dtype = autocast_dtype
+        self.scaler = scaler
+        self.sort_by_length = sort_by_length
+        self.trim_padding = trim_padding
+        self.reuse_last_chunk = reuse_last_chunk
+        self.check_finite = check_finite
+        self._loss_names, self._loss_var_kw = _loss_parameters(loss_fn)
+        if not self._loss_var_kw:
+            missing = [n for n in self.towers if n not in self._loss_names]
+            if missing:
+                raise ConfigError(f"loss_fn does not accept the tower name(s) {missing} as "
+                                  f"keyword arguments; it takes {sorted(self._loss_names)}. "
+                                  f"Name the towers after the loss's arguments")
+
+    # ------------------------------------------------------------------ options
+    def _chunk_sizes(self, chunk_size: int | Mapping[str, int]) -> dict[str, int]:
+        if isinstance(chunk_size, Mapping):
+            unknown = set(chunk_size) - set(self.towers)
+            missing = set(self.towers) - set(chunk_size)
+            if unknown or missing:
+                raise ConfigError(f"chunk_size dict must name every tower exactly: towers are "
+                                  f"{list(self.towers)}, chunk_size names {list(chunk_size)}")
+            sizes = dict(chunk_size)
+        else:
+            sizes = {n: chunk_size for n in self.towers}
+        for name, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+                raise ConfigError(f"chunk_size for tower {name!r} must be a positive integer, "
+                                  f"got {size!r}; it is the number of rows embedded at once")
+        return sizes
+
+    # ------------------------------------------------------------ overridables
+    def split_inputs(self, name: str, inputs: Any, chunk_size: int) -> tuple[list[Chunk], list[int]]:
+        """Cut one tower's inputs into chunks of at most ``chunk_size`` rows.
+
+        Returns the chunks and their row counts. Tensors and batch-aligned dict values
+        are sliced on their first dimension; other dict values are passed to every chunk.
+        Tokenized dicts (with ``attention_mask``) are trimmed to each chunk's longest row.
+        Lists of raw examples are split, then collated with the tower's ``collate_fn``.
+        """
+        n = _rows_of(inputs, name)
+        bounds = [(lo, min(lo + chunk_size, n)) for lo in range(0, n, chunk_size)]
+        rows = [hi - lo for lo, hi in bounds]
+        if isinstance(inputs, Tensor):
+            return [inputs[lo:hi] for lo, hi in bounds], rows
+        if isinstance(inputs, Mapping):
+            spans = self._token_spans(inputs, bounds, n)
+            chunks = []
+            for (lo, hi), span in zip(bounds, spans):
+                chunk = {k: _slice_rows(v, lo, hi, n) for k, v in inputs.items()}
+                if span is not None:
+                    chunk = self._trim(chunk, span, inputs["attention_mask"].shape[1], hi - lo)
+                chunks.append(chunk)
+            return chunks, rows
+        collate = self.collate_fns.get(name)
+        if collate is None:
+            raise InputError(f"tower {name!r} was given a list of raw examples but no collate_fn; "
+                             f"pass collate_fn=... (or {{{name!r}: ...}}) to GradCache")
+        return [collate(list(inputs[lo:hi])) for lo, hi in bounds], rows
+
+    def embed(self, name: str, chunk: Chunk) -> Tensor:
+        """Run tower ``name`` on one chunk: ``tower(**chunk)`` for a dict, else ``tower(chunk)``."""
+        tower = self.towers[name]
+        if isinstance(chunk, Mapping):
+            return tower(**chunk)
+        return tower(chunk)
+
+    def compute_loss(self, reps: dict[str, Tensor], **loss_kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """Call the loss on the full-batch embeddings and return ``(loss, metrics)``."""
+        out = self.loss_fn(**reps, **loss_kwargs)
+        if isinstance(out, Tensor):
+            return out, {}
+        if isinstance(out, Mapping):
+            if "loss" not in out:
+                raise ConfigError("loss_fn returned a dict without a 'loss' key")
+            return out["loss"], {k: v for k, v in out.items() if k != "loss"}
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Tensor):
+            return out[0], dict(out[1] or {})
+        raise ConfigError(f"loss_fn must return a tensor, (loss, metrics) or a dict with 'loss'; "
+                          f"got {type(out).__name__}")
+
+    # ----------------------------------------------------------------- helpers
+    def _token_spans(self, inputs: Mapping, bounds: list[tuple[int, int]],
+                     n: int) -> list[tuple[int, int] | None]:
+        """For each chunk, the column range holding any non-padding token (one sync per tower)."""
+        mask = inputs.get("attention_mask") if self.trim_padding else None
+        if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[0] != n:
+            return [None] * len(bounds)
+        nz = mask != 0
+        t = mask.shape[1]
+        first = torch.where(nz.any(1), nz.int().argmax(1), t)
+        last = torch.where(nz.any(1), t - 1 - nz.flip(1).int().argmax(1), -1)
+        first_l, last_l = first.tolist(), last.tolist()
+        spans = []
+        for lo, hi in bounds:
+            a, b = min(first_l[lo:hi]), max(last_l[lo:hi])
+            spans.append((a, b + 1) if b >= a else (0, t))
+        return spans
+
+    @staticmethod
+    def _trim(chunk: dict, span: tuple[int, int], t: int, rows: int) -> dict:
+        a, b = span
+        if (a, b) == (0, t):
+            return chunk
+        return {k: v[:, a:b] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[0] == rows
+                and v.shape[1] == t else v for k, v in chunk.items()}
+
+    def _length_order(self, name: str, inputs: Any, n: int) -> Tensor | None:
+        if not self.sort_by_length:
+            return None
+        if isinstance(inputs, Mapping) and isinstance(inputs.get("attention_mask"), Tensor):
+            lengths = (inputs["attention_mask"] != 0).sum(1)
+            return torch.argsort(lengths.cpu(), descending=True, stable=True)
+        return None  # nothing to measure: chunk in the given order
+
+    def _autocast(self, device: torch.device | None) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        dev_type = (self.device or device or torch.device("cpu")).type
+        return torch.autocast(device_type=dev_type, dtype=self.autocast_dtype)
+
+    def _checked(self, name: str, index: int, emb: Any, rows: int) -> Tensor:
+        if not isinstance(emb, Tensor):
+            raise ShapeError(f"tower {name!r} returned {type(emb).__name__} for chunk {index}; a "
+                             f"tower must return a (rows, dim) tensor (wrap a Hugging Face model "
+                             f"so that it pools and returns the embedding)")
+        if emb.dim() != 2 or emb.shape[0] != rows:
+            raise ShapeError(f"tower {name!r} returned shape {tuple(emb.shape)} for chunk {index} "
+                             f"of {rows} rows; expected ({rows}, dim)")
+        return emb
+
+    def _plan(self, name: str, inputs: Any) -> _TowerRun:
+        n = _rows_of(inputs, name)
+        if n == 0:
+            raise InputError(f"input for tower {name!r} has no rows")
+        order = self._length_order(name, inputs, n)
+        if order is not None:
+            inputs = _index_rows(inputs, order, n)
+        chunks, rows = self.split_inputs(name, inputs, self.chunk_sizes[name])
+        return _TowerRun(name, _is_trainable(self.towers[name]), chunks, rows, order)
+
+    # -------------------------------------------------------------------- step
+    def step(self, **inputs: Any) -> StepResult:
+        """Run one GradCache step and accumulate the full-batch gradient into ``.grad``.
+
+        Keyword arguments named after a tower are that tower's inputs; the others go to
+        the loss (e.g. ``doc_ids``). Returns a :class:`StepResult`.
+
+        Raises:
+            InputError: a tower's input is missing, or an argument is neither a tower nor
+                accepted by the loss.
+            ShapeError: a tower output is not ``(rows, dim)``.
+            NonFiniteError: NaN/inf in an embedding or in the loss (nothing written yet).
+        """
+        missing = [n for n in self.towers if n not in inputs]
+        if missing:
+            raise InputError(f"step() is missing input(s) for tower(s) {missing}; towers are "
+                             f"{list(self.towers)}")
+        loss_kwargs = {k: v for k, v in inputs.items() if k not in self.towers}
+        if not self._loss_var_kw:
+            extra = [k for k in loss_kwargs if k not in self._loss_names]
+            if extra:
+                raise InputError(f"step() got argument(s) {extra} that are neither towers "
+                                 f"{list(self.towers)} nor arguments of the loss "
+                                 f"{sorted(self._loss_names - set(self.towers))}")
+
+        runs = [self._plan(name, inputs[name]) for name in self.towers]
+        last_trainable = max((i for i, r in enumerate(runs) if r.trainable), default=None)
+
+        # (1) embed every chunk without gradients, remembering its random state.
+        for i, run in enumerate(runs):
+            outs = []
+            for c, chunk in enumerate(run.chunks):
+                chunk = _to_device(chunk, self.device)
+                keep = (self.reuse_last_chunk and i == last_trainable
+                        and c == len(run.chunks) - 1)
+                if run.trainable and not keep:
+                    run.contexts.append(RandContext(chunk))
+                with torch.set_grad_enabled(keep), self._autocast(_first_device(chunk)):
+                    emb = self._checked(run.name, c, self.embed(run.name, chunk), run.rows[c])
+                if keep:
+                    run.kept = emb
+                    emb = emb.detach()
+                outs.append(emb)
+            reps = torch.cat(outs) if len(outs) > 1 else outs[0]
+            if reps.dtype in (torch.float16, torch.bfloat16):
+                reps = reps.float()
+            if run.order is not None:
+                reps = torch.empty_like(reps).index_copy_(0, run.order.to(reps.device), reps)
+            run.reps = reps.detach().requires_grad_(run.trainable)
+
+        # (2) loss on the cached embeddings, backward to them.
+        reps = {run.name: run.reps for run in runs}
+        loss, metrics = self.compute_loss(reps, **loss_kwargs)
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            raise ShapeError(f"loss_fn must return a scalar loss, got "
+                             f"{tuple(loss.shape) if isinstance(loss, Tensor) else type(loss)}")
+        if self.check_finite:
+            self._check_finite(runs, loss)
+        if loss.requires_grad:
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+        # (3) replay each trainable chunk with gradients and backpropagate the cached gradient.
+        for run in runs:
+            if not run.trainable:
+                continue
+            grad = run.reps.grad
+            if grad is None:
+                run.kept = None
+                continue
+            if run.order is not None:
+                grad = grad.index_select(0, run.order.to(grad.device))
+            grads = grad.split(run.rows)
+            if run.kept is not None:
+                torch.autograd.backward(run.kept.to(grads[-1].dtype), grads[-1])
+                run.kept = None
+            for c, ctx in enumerate(run.contexts):
+                chunk = _to_device(run.chunks[c], self.device)
+                with ctx, self._autocast(_first_device(chunk)):
+                    emb = self.embed(run.name, chunk)
+                torch.autograd.backward(emb.to(grads[c].dtype), grads[c])
+        return StepResult(loss.detach(), {k: v.detach() if isinstance(v, Tensor) else
+                                          torch.as_tensor(v) for k, v in metrics.items()})
+
+    def _check_finite(self, runs: list[_TowerRun], loss: Tensor) -> None:
+        flags = torch.stack([torch.isfinite(r.reps).all() for r in runs]
+                            + [torch.isfinite(loss.detach()).to(runs[0].reps.device)])
+        ok = flags.tolist()  # the one synchronisation of the step
+        for run, fine in zip(runs, ok):
+            if not fine:
+                raise NonFiniteError(
+                    f"tower {run.name!r} produced NaN or inf embeddings; no gradient was written. "
+                    f"Check the inputs, the learning rate, or use bfloat16 instead of float16")
+        if not ok[-1]:
+            raise NonFiniteError("the loss is NaN or inf; no gradient was written. Check the "
+                                 "temperature (logit scale) and the embeddings' scale")
+
+    def __repr__(self) -> str:
+        return (f"GradCache(towers={list(self.towers)}, chunk_size={self.chunk_sizes}, "
+                f"loss_fn={type(self.loss_fn).__name__})")

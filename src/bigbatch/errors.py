@@ -1,0 +1,55 @@
+"""Exceptions a user can cause, each with a message that names the option, tower, file or field.
+
+Every error bigbatch raises on purpose derives from :class:`BigBatchError`, so a caller
+can catch them all at once; each also derives from the built-in exception a Python
+user would expect (``ValueError`` for bad values, ``FloatingPointError`` for
+non-finite numbers), so existing ``except ValueError`` blocks keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BigBatchError",
+    "ConfigError",
+    "InputError",
+    "ShapeError",
+    "NonFiniteError",
+    "DataError",
+]
+
+
+class BigBatchError(Exception):
+    """Base class of every error bigbatch raises on purpose."""
+
+
+class ConfigError(BigBatchError, ValueError):
+    """An option has an impossible value (for example ``chunk_size=0``)."""
+
+
+class InputError(BigBatchError, ValueError):
+    """The inputs given to a step do not match the towers or the loss (missing or extra)."""
+
+
+class ShapeError(BigBatchError, ValueError):
+    """A tensor has the wrong shape: a tower output that is not ``(rows, dim)``, or a
+    document count that is not a multiple of the query count."""
+
+
+class NonFiniteError(BigBatchError, FloatingPointError):
+    """NaN or inf in an embedding or in the loss; raised before any gradient is written."""
+
+
+class DataError(BigBatchError, ValueError):
+    """A bad record in a data file. The message names the file, the line and the field."""
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None,
+                 field: str | None = None) -> None:
+        where = []
+        if path is not None:
+            where.append(str(path) if line is None else f"{path}:{line}")
+        if field is not None:
+            where.append(f"field {field!r}")
+        super().__init__(f"{', '.join(where)}: {message}" if where else message)
+        self.path = path
+        self.line = line
+        self.field = field

@@ -1,0 +1,299 @@
+"""Contrastive losses for embedding training: InfoNCE with hard negatives, a learnable
+temperature, false-negative masking, and a streamed computation whose memory is
+O(block x N) instead of O(B x N).
+
+Layout of a batch (the same everywhere in bigbatch): ``B`` queries and ``B * (1 + k)``
+documents laid out ``[pos_0, neg_0_1 .. neg_0_k, pos_1, neg_1_1 .. neg_1_k, ...]``;
+query ``i``'s positive is document ``i * (1 + k)`` and every other document in the
+batch is one of its negatives. ``k`` is inferred from the sizes.
+
+For query ``i`` with similarities ``s_ij = q_i . d_j`` (cosine similarity when the
+towers L2-normalise) and logit scale ``t = 1 / temperature``::
+
+    loss_i = -log( exp(t s_{i,p(i)}) / sum_{j not masked} exp(t s_ij) )
+
+and the loss is the mean over queries. With ``symmetric=True`` the document-to-query
+direction over the positives is added (each positive document against all queries)
+and the two directions are averaged, as in CLIP. There is no hidden factor: the loss
+is exactly the mean cross-entropy above, whatever the batch, block or chunk size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .errors import ConfigError, ShapeError
+
+__all__ = ["LogitScale", "InfoNCE", "LossOutput", "hard_negative_count"]
+
+# Order of the statistics each block returns (sums and counts, reduced at the end).
+_STATS = ("pos_sum", "correct", "neg_sum", "neg_n", "inb_sum", "inb_n", "hard_sum", "hard_n")
+
+
+class LossOutput(NamedTuple):
+    """What a bigbatch loss returns: the scalar loss and detached 0-d metric tensors."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+
+
+class LogitScale(nn.Module):
+    """A temperature kept in log space: ``forward()`` returns ``exp(log_scale) = 1/temperature``.
+
+    Args:
+        temperature: initial temperature; ``log_scale`` starts at ``ln(1/temperature)``.
+        max_scale: ``clamp_()`` keeps ``log_scale`` in ``[0, ln(max_scale)]``, i.e. the
+            temperature in ``[1/max_scale, 1]``.
+        learnable: a trainable parameter when True, a buffer (saved, not trained) when False.
+
+    The forward pass does not clamp (a clamp there would give zero gradient at the
+    bound and the scale could never come back); call :meth:`clamp_` after each
+    optimizer step, as OpenCLIP and contrastors do.
+    """
+
+    def __init__(self, temperature: float = 0.07, max_scale: float = 100.0,
+                 learnable: bool = True) -> None:
+        super().__init__()
+        if not temperature > 0:
+            raise ConfigError(f"temperature must be > 0, got {temperature!r}")
+        if not max_scale >= 1:
+            raise ConfigError(f"max_scale must be >= 1, got {max_scale!r}")
+        self.max_scale = float(max_scale)
+        init = torch.tensor(math.log(1.0 / temperature), dtype=torch.float32)
+        if learnable:
+            self.log_scale = nn.Parameter(init)
+        else:
+            self.register_buffer("log_scale", init)
+
+    def forward(self) -> Tensor:
+        return self.log_scale.exp()
+
+    @torch.no_grad()
+    def clamp_(self) -> "LogitScale":
+        """Clamp ``log_scale`` into ``[0, ln(max_scale)]`` in place; call after ``optimizer.step()``."""
+        self.log_scale.clamp_(0.0, math.log(self.max_scale))
+        return self
+
+    @property
+    def temperature(self) -> float:
+        return float(torch.exp(-self.log_scale.detach()))
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature:.4g}, max_scale={self.max_scale:g}, " \
+               f"learnable={isinstance(self.log_scale, nn.Parameter)}"
+
+
+def hard_negative_count(num_queries: int, num_docs: int) -> int:
+    """Return ``k`` for ``num_queries`` queries and ``num_queries * (1 + k)`` documents.
+
+    Raises:
+        ShapeError: when the document count is not a positive multiple of the query count.
+    """
+    if num_queries <= 0:
+        raise ShapeError(f"expected at least one query, got {num_queries}")
+    if num_docs < num_queries or num_docs % num_queries:
+        raise ShapeError(
+            f"got {num_docs} documents for {num_queries} queries: the document count must be "
+            f"a multiple of the query count (B * (1 + k) with the layout [pos_0, neg_0_1..neg_0_k, "
+            f"pos_1, ...]); check --num-hard-negatives and that every query has k negatives")
+    return num_docs // num_queries - 1
+
+
+def _ids_tensor(ids: Tensor | Sequence[Hashable], n: int, device: torch.device, name: str) -> Tensor:
+    """Turn ids (a tensor, or any hashables such as strings) into an int64 tensor of length n."""
+    if isinstance(ids, Tensor):
+        out = ids.to(device=device, dtype=torch.long).reshape(-1)
+    else:
+        codes: dict[Hashable, int] = {}
+        out = torch.tensor([codes.setdefault(x, len(codes)) for x in ids], dtype=torch.long,
+                           device=device)
+    if out.numel() != n:
+        raise ShapeError(f"{name} has {out.numel()} entries but there are {n} documents; "
+                         f"give one id per document")
+    return out
+
+
+def _block(rows: Tensor, cols: Tensor, pos: Tensor, scale: Tensor, group: int,
+           col_ids: Tensor | None, row_ids: Tensor | None, margin: float | None,
+           with_stats: bool) -> tuple[Tensor, Tensor]:
+    """Cross-entropy summed over a block of rows, and the block's metric sums.
+
+    ``rows`` (b, D) are scored against all ``cols`` (N, D); ``pos`` (b,) holds each row's
+    positive column. Row r's own group is columns [pos_r, pos_r + group).
+    """
+    sim = rows @ cols.T  # (b, N)
+    n_cols = cols.shape[0]
+    col_idx = torch.arange(n_cols, device=sim.device)
+    is_pos = col_idx[None, :] == pos[:, None]
+    pos_sim = sim.gather(1, pos[:, None])  # (b, 1)
+    with torch.no_grad():
+        mask = torch.zeros_like(is_pos)
+        if col_ids is not None:
+            mask |= (col_ids[None, :] == row_ids[:, None]) & ~is_pos
+        if margin is not None:
+            mask |= (sim.detach() > pos_sim.detach() + margin) & ~is_pos
+    logits = (sim * scale).masked_fill(mask, float("-inf"))
+    loss_sum = (torch.logsumexp(logits, dim=1) - pos_sim.squeeze(1) * scale).sum()
+    if not with_stats:
+        return loss_sum, sim.new_zeros(())
+    with torch.no_grad():
+        s = sim.detach()
+        neg = ~is_pos & ~mask
+        own = (col_idx[None, :] >= pos[:, None]) & (col_idx[None, :] < pos[:, None] + group)
+        inb = neg & ~own
+        hard = neg & own
+        correct = (logits.detach().argmax(dim=1) == pos).sum()
+        zero = s.new_zeros(())
+        stats = torch.stack([
+            pos_sim.detach().sum(), correct.to(s.dtype),
+            torch.where(neg, s, zero).sum(), neg.sum().to(s.dtype),
+            torch.where(inb, s, zero).sum(), inb.sum().to(s.dtype),
+            torch.where(hard, s, zero).sum(), hard.sum().to(s.dtype),
+        ])
+    return loss_sum, stats
+
+
+class InfoNCE(nn.Module):
+    """InfoNCE (multiple-negatives ranking) loss with in-batch and hard negatives.
+
+    Args:
+        temperature: initial (or fixed) temperature; the logit scale is ``1/temperature``.
+        learnable_temperature: learn the temperature through a :class:`LogitScale`
+            (the module's one trainable parameter); if False the module has none.
+        symmetric: also score each positive document against all queries (document-to-query
+            direction) and average the two directions.
+        max_scale: upper bound on the logit scale applied by ``clamp_()``.
+        false_negative_margin: if set, mask a negative whose similarity exceeds the
+            positive's similarity plus this margin (ms-swift's fake-negative rule uses 0.1).
+            The selection is made on detached similarities.
+        block_size: if set, stream the loss over blocks of this many rows: each block's
+            ``block x N`` logits are recomputed in the backward pass instead of stored, so
+            peak memory is O(block x N), not O(B x N). Results equal the dense computation
+            to round-off.
+
+    Inputs (``loss_fn(query=q, doc=d, doc_ids=None)``):
+        query: ``(B, D)`` query embeddings.
+        doc: ``(B * (1 + k), D)`` document embeddings, ``[pos_0, neg_0_1..neg_0_k, pos_1, ...]``.
+        doc_ids: optional, one id per document (tensor or hashables). A document other
+            than query i's positive that has the same id as that positive is masked out of
+            query i's negatives (the same passage appearing twice in a batch is no negative).
+
+    Returns:
+        :class:`LossOutput` ``(loss, metrics)``; metrics are detached 0-d tensors:
+        ``pos_sim`` (mean positive similarity), ``neg_sim`` (mean over all unmasked
+        negatives), ``inbatch_neg_sim``, ``hard_neg_sim`` (only when k > 0), ``margin``
+        (``pos_sim - neg_sim``), ``accuracy`` (top-1, query to document), ``temperature``,
+        ``masked`` (number of negatives masked out).
+
+    Example::
+
+        loss_fn = bb.InfoNCE(temperature=0.05, learnable_temperature=True)
+        loss, metrics = loss_fn(query=q, doc=d)
+        loss.backward(); optimizer.step(); loss_fn.clamp_()
+
+    References:
+        van den Oord et al. 2018, "Representation Learning with Contrastive Predictive Coding";
+        Radford et al. 2021 (CLIP, learnable temperature and symmetric loss);
+        Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup".
+    """
+
+    def __init__(self, temperature: float = 0.07, learnable_temperature: bool = True,
+                 symmetric: bool = False, max_scale: float = 100.0,
+                 false_negative_margin: float | None = None,
+                 block_size: int | None = None) -> None:
+        super().__init__()
+        if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
+            raise ConfigError(f"block_size must be a positive integer or None, got {block_size!r}")
+        if false_negative_margin is not None and not math.isfinite(false_negative_margin):
+            raise ConfigError(f"false_negative_margin must be a finite number, got "
+                              f"{false_negative_margin!r}")
+        self.logit_scale = LogitScale(temperature, max_scale=max_scale,
+                                      learnable=learnable_temperature)
+        self.symmetric = symmetric
+        self.false_negative_margin = false_negative_margin
+        self.block_size = block_size
+
+    def clamp_(self) -> "InfoNCE":
+        """Clamp the logit scale into its bounds; call after ``optimizer.step()``."""
+        self.logit_scale.clamp_()
+        return self
+
+    @property
+    def temperature(self) -> float:
+        return self.logit_scale.temperature
+
+    def _direction(self, rows: Tensor, cols: Tensor, pos: Tensor, scale: Tensor, group: int,
+                   col_ids: Tensor | None, row_ids: Tensor | None,
+                   with_stats: bool) -> tuple[Tensor, Tensor]:
+        """Sum of the per-row losses and stats of one direction, dense or streamed."""
+        n = rows.shape[0]
+        bs = self.block_size
+        if bs is None or bs >= n:
+            return _block(rows, cols, pos, scale, group, col_ids, row_ids,
+                          self.false_negative_margin, with_stats)
+        needs_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (rows, cols, scale))
+        total: Tensor | None = None
+        stats: Tensor | None = None
+        for lo in range(0, n, bs):
+            hi = min(lo + bs, n)
+            r_ids = None if row_ids is None else row_ids[lo:hi]
+            args = (rows[lo:hi], cols, pos[lo:hi], scale, group, col_ids, r_ids,
+                    self.false_negative_margin, with_stats)
+            if needs_grad:
+                part, st = checkpoint(_block, *args, use_reentrant=False,
+                                      preserve_rng_state=False)
+            else:
+                part, st = _block(*args)
+            total = part if total is None else total + part
+            stats = st if stats is None else stats + st
+        return total, stats
+
+    def forward(self, query: Tensor, doc: Tensor,
+                doc_ids: Tensor | Sequence[Hashable] | None = None) -> LossOutput:
+        for name, t in (("query", query), ("doc", doc)):
+            if t.dim() != 2:
+                raise ShapeError(f"InfoNCE input {name!r} must be 2-D (rows, dim), got shape "
+                                 f"{tuple(t.shape)}")
+        if query.shape[1] != doc.shape[1]:
+            raise ShapeError(f"query dim {query.shape[1]} != doc dim {doc.shape[1]}: the two "
+                             f"towers must embed into the same space")
+        b, n = query.shape[0], doc.shape[0]
+        k = hard_negative_count(b, n)
+        group = k + 1
+        dtype = torch.promote_types(torch.promote_types(query.dtype, doc.dtype), torch.float32)
+        q, d = query.to(dtype), doc.to(dtype)
+        scale = self.logit_scale().to(dtype)
+        pos = torch.arange(b, device=q.device) * group
+        ids = None if doc_ids is None else _ids_tensor(doc_ids, n, q.device, "doc_ids")
+        pos_ids = None if ids is None else ids[pos]
+
+        loss_sum, st = self._direction(q, d, pos, scale, group, ids, pos_ids, True)
+        loss = loss_sum / b
+        if self.symmetric:
+            d_pos = d[pos]
+            rows_pos = torch.arange(b, device=q.device)
+            back_sum, _ = self._direction(d_pos, q, rows_pos, scale, 1, pos_ids, pos_ids, False)
+            loss = 0.5 * (loss + back_sum / b)
+
+        stats = dict(zip(_STATS, st.unbind()))
+        pos_sim = stats["pos_sum"] / b
+        neg_sim = stats["neg_sum"] / stats["neg_n"].clamp_min(1)
+        metrics = {
+            "pos_sim": pos_sim,
+            "neg_sim": neg_sim,
+            "inbatch_neg_sim": stats["inb_sum"] / stats["inb_n"].clamp_min(1),
+            "margin": pos_sim - neg_sim,
+            "accuracy": stats["correct"] / b,
+            "temperature": (1.0 / scale).detach(),
+            "masked": (b * (n - 1)) - stats["neg_n"],
+        }
+        if k > 0:
+            metrics["hard_neg_sim"] = stats["hard_sum"] / stats["hard_n"].clamp_min(1)
+        return LossOutput(loss, {key: v.detach() for key, v in metrics.items()})
