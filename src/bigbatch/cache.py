@@ -76,8 +76,9 @@ class _TowerRun:
 
 def _loss_parameters(loss_fn: Callable) -> tuple[set[str], bool]:
     """Names the loss accepts as keywords, and whether it takes ``**kwargs``."""
+    target = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn
     try:
-        sig = inspect.signature(loss_fn)
+        sig = inspect.signature(target)
     except (TypeError, ValueError):
         return set(), True
     names, var_kw = set(), False

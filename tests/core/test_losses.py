@@ -1,0 +1,205 @@
+"""InfoNCE and LogitScale against direct formulas (cross-entropy written out by hand)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bigbatch as bb
+from bigbatch.errors import ConfigError, ShapeError
+from bigbatch.losses import hard_negative_count
+
+DT = torch.float64
+
+
+def embeddings(b, k, dim=8):
+    q = F.normalize(torch.randn(b, dim, dtype=DT), dim=-1)
+    d = F.normalize(torch.randn(b * (1 + k), dim, dtype=DT), dim=-1)
+    return q, d
+
+
+def direct_loss(q, d, scale, k, symmetric=False, mask=None):
+    """The formula of the module docstring, with torch's cross_entropy."""
+    logits = scale * q @ d.T
+    if mask is not None:
+        logits = logits.masked_fill(mask, float("-inf"))
+    labels = torch.arange(q.shape[0]) * (1 + k)
+    loss = F.cross_entropy(logits, labels)
+    if symmetric:
+        back = scale * d[labels] @ q.T
+        loss = 0.5 * (loss + F.cross_entropy(back, torch.arange(q.shape[0])))
+    return loss
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_matches_direct_cross_entropy(k, symmetric):
+    q, d = embeddings(5, k)
+    loss_fn = bb.InfoNCE(temperature=0.05, symmetric=symmetric).to(DT)
+    loss, metrics = loss_fn(query=q, doc=d)
+    ref = direct_loss(q, d, loss_fn.logit_scale().detach(), k, symmetric)
+    assert torch.allclose(loss, ref, rtol=1e-12)
+    assert math.isclose(metrics["temperature"].item(), 0.05, rel_tol=1e-6)
+
+
+def test_interleaved_layout_positive_is_i_times_1_plus_k():
+    q = torch.eye(3, dtype=DT)
+    k = 2
+    d = torch.zeros(9, 3, dtype=DT)
+    for i in range(3):
+        d[i * 3] = q[i]                      # positives where the layout says
+        d[i * 3 + 1] = -q[i]
+    loss, metrics = bb.InfoNCE(temperature=0.01, learnable_temperature=False)(query=q, doc=d)
+    assert metrics["accuracy"].item() == 1.0
+    assert metrics["pos_sim"].item() == pytest.approx(1.0)
+    assert metrics["hard_neg_sim"].item() == pytest.approx(-0.5)  # -1 and 0 for each query
+    assert loss.item() < 1e-6
+
+
+def test_metrics_values():
+    q, d = embeddings(4, 1)
+    _, m = bb.InfoNCE()(query=q, doc=d)
+    sim = q @ d.T
+    pos = torch.arange(4) * 2
+    own = torch.zeros_like(sim, dtype=torch.bool)
+    for i in range(4):
+        own[i, 2 * i:2 * i + 2] = True
+    is_pos = torch.zeros_like(own)
+    is_pos[torch.arange(4), pos] = True
+    assert m["pos_sim"].item() == pytest.approx(sim[is_pos].mean().item())
+    assert m["neg_sim"].item() == pytest.approx(sim[~is_pos].mean().item())
+    assert m["inbatch_neg_sim"].item() == pytest.approx(sim[~own].mean().item())
+    assert m["hard_neg_sim"].item() == pytest.approx(sim[own & ~is_pos].mean().item())
+    assert m["margin"].item() == pytest.approx((sim[is_pos].mean() - sim[~is_pos].mean()).item())
+    acc = (sim.argmax(1) == pos).double().mean().item()
+    assert m["accuracy"].item() == pytest.approx(acc)
+    assert "hard_neg_sim" not in bb.InfoNCE()(query=q, doc=d[pos])[1]
+
+
+def test_doc_id_masking_matches_masked_cross_entropy():
+    q, d = embeddings(4, 1)
+    ids = ["a", "x", "b", "a", "c", "y", "d", "b"]  # doc 3 = q0's positive, doc 7 = q1's
+    fn = bb.InfoNCE(temperature=0.1, learnable_temperature=False).to(DT)
+    loss, m = fn(query=q, doc=d, doc_ids=ids)
+    mask = torch.zeros(4, 8, dtype=torch.bool)
+    mask[0, 3] = True
+    mask[1, 7] = True
+    assert torch.allclose(loss, direct_loss(q, d, fn.logit_scale(), 1, mask=mask), rtol=1e-12)
+    assert m["masked"].item() == 2
+
+
+def test_symmetric_id_masking_masks_queries_sharing_a_positive():
+    q, d = embeddings(3, 0)
+    ids = torch.tensor([7, 7, 9])  # queries 0 and 1 share their positive passage
+    loss, _ = bb.InfoNCE(temperature=0.1, symmetric=True)(query=q, doc=d, doc_ids=ids)
+    mask = torch.zeros(3, 3, dtype=torch.bool)
+    mask[0, 1] = mask[1, 0] = True
+    fwd = F.cross_entropy((10 * q @ d.T).masked_fill(mask, -math.inf), torch.arange(3))
+    back = F.cross_entropy((10 * d @ q.T).masked_fill(mask, -math.inf), torch.arange(3))
+    assert torch.allclose(loss, 0.5 * (fwd + back), rtol=1e-12)
+
+
+def test_margin_rule_masks_negatives_above_positive_plus_margin():
+    q, d = embeddings(6, 1)
+    margin = 0.05
+    loss, m = bb.InfoNCE(temperature=0.1, false_negative_margin=margin)(query=q, doc=d)
+    sim = q @ d.T
+    pos = torch.arange(6) * 2
+    mask = sim > sim[torch.arange(6), pos][:, None] + margin
+    mask[torch.arange(6), pos] = False
+    assert mask.any()
+    assert m["masked"].item() == mask.sum().item()
+    assert torch.allclose(loss, direct_loss(q, d, 10.0, 1, mask=mask), rtol=1e-6)
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 64])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_streamed_equals_dense_values_gradients_metrics(block, symmetric):
+    q, d = embeddings(7, 2)
+    ids = torch.arange(21)
+    ids[4] = 0
+    dense = bb.InfoNCE(symmetric=symmetric, false_negative_margin=0.3).to(DT)
+    streamed = bb.InfoNCE(symmetric=symmetric, false_negative_margin=0.3, block_size=block).to(DT)
+    grads = []
+    for fn in (dense, streamed):
+        qq, dd = q.clone().requires_grad_(), d.clone().requires_grad_()
+        loss, metrics = fn(query=qq, doc=dd, doc_ids=ids)
+        loss.backward()
+        grads.append((loss.detach(), metrics, qq.grad, dd.grad, fn.logit_scale.log_scale.grad))
+    (l1, m1, gq1, gd1, gs1), (l2, m2, gq2, gd2, gs2) = grads
+    assert torch.allclose(l1, l2, rtol=1e-13)
+    for a, b in ((gq1, gq2), (gd1, gd2), (gs1, gs2)):
+        assert torch.allclose(a, b, rtol=1e-11, atol=1e-15)
+    assert m1.keys() == m2.keys()
+    for key in m1:
+        assert torch.allclose(m1[key], m2[key], rtol=1e-12), key
+
+
+def test_streaming_bounds_memory_of_saved_tensors():
+    """The streamed loss keeps no (B x N) tensor for backward; the dense one does."""
+    q, d = embeddings(64, 0, dim=4)
+    q.requires_grad_()
+    d.requires_grad_()
+    sizes = {}
+    for block in (None, 8):
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, _ = bb.InfoNCE(block_size=block).to(DT)(query=q, doc=d)
+        sizes[block] = max(saved)
+        loss.backward()
+    assert sizes[None] >= 64 * 64
+    assert sizes[8] < 64 * 64 // 4
+
+
+def test_learnable_temperature_owns_exactly_one_parameter():
+    learn = bb.InfoNCE(learnable_temperature=True)
+    params = list(learn.parameters())
+    assert len(params) == 1 and params[0].requires_grad
+    assert params[0].item() == pytest.approx(math.log(1 / 0.07))
+    assert list(bb.InfoNCE(learnable_temperature=False).parameters()) == []
+    fixed = bb.InfoNCE(learnable_temperature=False, temperature=0.02)
+    assert "logit_scale.log_scale" in fixed.state_dict()  # still saved with the model
+
+
+def test_logit_scale_no_clamp_in_forward_and_clamp_after_step():
+    scale = bb.LogitScale(temperature=0.07, max_scale=100)
+    with torch.no_grad():
+        scale.log_scale.fill_(6.0)          # beyond ln(100) = 4.605
+    out = scale()
+    assert out.item() == pytest.approx(math.exp(6.0))
+    out.backward()
+    assert scale.log_scale.grad.item() == pytest.approx(math.exp(6.0))  # no dead zone
+    scale.clamp_()
+    assert scale.log_scale.item() == pytest.approx(math.log(100))
+    with torch.no_grad():
+        scale.log_scale.fill_(-1.0)
+    scale.clamp_()
+    assert scale.log_scale.item() == 0.0
+    assert scale.temperature == pytest.approx(1.0)
+
+
+def test_k_inference_and_errors():
+    assert hard_negative_count(4, 4) == 0
+    assert hard_negative_count(4, 12) == 2
+    with pytest.raises(ShapeError, match="multiple of the query count"):
+        hard_negative_count(4, 10)
+    with pytest.raises(ShapeError, match="multiple of the query count"):
+        bb.InfoNCE()(query=torch.randn(3, 4), doc=torch.randn(5, 4))
+    with pytest.raises(ShapeError, match="2-D"):
+        bb.InfoNCE()(query=torch.randn(3), doc=torch.randn(3, 4))
+    with pytest.raises(ShapeError, match="dim"):
+        bb.InfoNCE()(query=torch.randn(3, 4), doc=torch.randn(3, 5))
+    with pytest.raises(ShapeError, match="doc_ids"):
+        bb.InfoNCE()(query=torch.randn(3, 4), doc=torch.randn(3, 4), doc_ids=[1, 2])
+    with pytest.raises(ConfigError, match="block_size"):
+        bb.InfoNCE(block_size=0)
+    with pytest.raises(ConfigError, match="temperature"):
+        bb.InfoNCE(temperature=0)
