@@ -150,6 +150,15 @@ def _to_device(obj: Any, device: torch.device | None) -> Any:
     return obj
 
 
+def _surrogate_backward(emb: Tensor, grad: Tensor) -> None:
+    """Backpropagate the cached gradient: d/dθ sum(emb * grad), in the gradient's dtype.
+
+    An embedding that does not require grad (a plain-function tower over frozen weights)
+    has nothing to receive, which is the exact result."""
+    if emb.requires_grad:
+        torch.autograd.backward(emb.to(grad.dtype), grad)
+
+
 def _first_device(obj: Any) -> torch.device | None:
     if isinstance(obj, Tensor):
         return obj.device
@@ -441,13 +450,13 @@ class GradCache:
                 grad = grad.index_select(0, run.order.to(grad.device))
             grads = grad.split(run.rows)
             if run.kept is not None:
-                torch.autograd.backward(run.kept.to(grads[-1].dtype), grads[-1])
+                _surrogate_backward(run.kept, grads[-1])
                 run.kept = None
             for c, ctx in enumerate(run.contexts):
                 chunk = _to_device(run.chunks[c], self.device)
                 with ctx, self._autocast(_first_device(chunk)):
                     emb = self.embed(run.name, chunk)
-                torch.autograd.backward(emb.to(grads[c].dtype), grads[c])
+                _surrogate_backward(emb, grads[c])
         return StepResult(loss.detach(), {k: v.detach() if isinstance(v, Tensor) else
                                           torch.as_tensor(v) for k, v in metrics.items()})
 

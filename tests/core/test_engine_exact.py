@@ -189,6 +189,25 @@ def test_no_extra_work_one_forward_and_one_replay_per_chunk():
     assert (q_tower.calls, q_tower.grad_calls) == (4, 2)
 
 
+def test_plain_function_tower_over_frozen_weights():
+    frozen = DenseTower().to(DT).requires_grad_(False)
+    q_tower = DenseTower().to(DT)
+    loss_fn = bb.InfoNCE().to(DT)
+    inputs = {"query": torch.randn(5, 12, dtype=DT), "doc": torch.randn(10, 12, dtype=DT)}
+    err, _, _ = compare({"query": q_tower, "doc": lambda x: frozen(x)}, loss_fn, inputs,
+                        modules=[q_tower], engine_kwargs={"chunk_size": 3})
+    assert err <= TOL
+
+
+def test_device_option_moves_host_chunks():
+    q_tower, d_tower = DenseTower().to(DT), DenseTower().to(DT)
+    loss_fn = bb.InfoNCE().to(DT)
+    inputs = {"query": torch.randn(5, 12, dtype=DT), "doc": torch.randn(10, 12, dtype=DT)}
+    err, _, _ = compare({"query": q_tower, "doc": d_tower}, loss_fn, inputs,
+                        modules=[q_tower, d_tower], engine_kwargs={"chunk_size": 3, "device": "cpu"})
+    assert err <= TOL
+
+
 def test_tensor_inputs_and_per_tower_chunk_sizes():
     q_tower = DenseTower().to(DT)
     d_tower = DenseTower().to(DT)
