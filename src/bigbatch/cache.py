@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import distributed as D
 from .errors import ConfigError, InputError, NonFiniteError, ShapeError
 from .rng import RandContext
 
@@ -200,6 +201,17 @@ class GradCache:
             saving its replay.
         check_finite: raise :class:`NonFiniteError` on NaN/inf embeddings or loss, before
             any gradient is written (one host-device synchronisation per step).
+        cross_device: under ``torch.distributed`` with more than one process, gather every
+            rank's embeddings so each query sees the whole global batch as negatives, with
+            gradients flowing back to the rank that embedded them (see
+            :mod:`bigbatch.distributed` for the exact scaling). False: each rank's loss is local.
+        process_group: the group to gather over and synchronise in (default: the world).
+        sync_gradients: under ``torch.distributed``, sum the gradients over ranks once per
+            step (one coalesced all-reduce). Towers wrapped in DistributedDataParallel are
+            called through their inner module, so DDP never synchronises on its own; FSDP2
+            (``fully_shard``) towers reduce-scatter once, on the last replay.
+        params: the parameters to synchronise, when a tower is a plain function whose
+            parameters the engine cannot find (default: the towers' and the loss's).
 
     Raises:
         ConfigError: bad options (chunk size <= 0, a loss that does not take a tower's name).
@@ -214,7 +226,11 @@ class GradCache:
                  sort_by_length: bool = False,
                  trim_padding: bool = True,
                  reuse_last_chunk: bool = True,
-                 check_finite: bool = True) -> None:
+                 check_finite: bool = True,
+                 cross_device: bool = True,
+                 process_group: Any = None,
+                 sync_gradients: bool = True,
+                 params: Any = None) -> None:
         if not isinstance(towers, Mapping) or not towers:
             raise ConfigError("towers must be a non-empty dict {name: callable}, e.g. "
                               "{'query': encoder, 'doc': encoder}")
@@ -242,6 +258,11 @@ class GradCache:
         self.trim_padding = trim_padding
         self.reuse_last_chunk = reuse_last_chunk
         self.check_finite = check_finite
+        self.cross_device = cross_device
+        self.process_group = process_group
+        self.sync_gradients = sync_gradients
+        self._explicit_params = None if params is None else list(params)
+        self.last_sync_calls = 0  # collectives the last step used to synchronise gradients
         self._loss_names, self._loss_var_kw = _loss_parameters(loss_fn)
         if not self._loss_var_kw:
             missing = [n for n in self.towers if n not in self._loss_names]
@@ -298,7 +319,7 @@ class GradCache:
 
     def embed(self, name: str, chunk: Chunk) -> Tensor:
         """Run tower ``name`` on one chunk: ``tower(**chunk)`` for a dict, else ``tower(chunk)``."""
-        tower = self.towers[name]
+        tower = D.unwrap_ddp(self.towers[name])  # DDP's own forward would sync buffers
         if isinstance(chunk, Mapping):
             return tower(**chunk)
         return tower(chunk)
@@ -375,7 +396,8 @@ class GradCache:
         if order is not None:
             inputs = _index_rows(inputs, order, n)
         chunks, rows = self.split_inputs(name, inputs, self.chunk_sizes[name])
-        return _TowerRun(name, _is_trainable(self.towers[name]), chunks, rows, order)
+        return _TowerRun(name, _is_trainable(D.unwrap_ddp(self.towers[name])), chunks, rows,
+                         order)
 
     # -------------------------------------------------------------------- step
     def step(self, **inputs: Any) -> StepResult:
@@ -403,9 +425,25 @@ class GradCache:
                                  f"{sorted(self._loss_names - set(self.towers))}")
 
         runs = [self._plan(name, inputs[name]) for name in self.towers]
-        last_trainable = max((i for i, r in enumerate(runs) if r.trainable), default=None)
+        group = self.process_group
+        distributed = D.is_distributed(group)
+        fsdp = self._fsdp_modules()
+        counts = self._agree_on_sizes(runs) if distributed else None
+        with self._no_sync(fsdp):
+            self._embed_all(runs)
+            if distributed:
+                self._agree_after_embedding(runs)
+            loss, total, metrics = self._loss_and_backward(runs, loss_kwargs, counts)
+            self._replay_all(runs, fsdp)
+        if distributed and self.sync_gradients:
+            self.last_sync_calls = D.all_reduce_gradients(self._sync_params(), group)
+        return StepResult(total, {k: v.detach() if isinstance(v, Tensor) else
+                                  torch.as_tensor(v) for k, v in metrics.items()})
 
-        # (1) embed every chunk without gradients, remembering its random state.
+    # ------------------------------------------------------------ step stages
+    def _embed_all(self, runs: list[_TowerRun]) -> None:
+        """(1) Embed every chunk without gradients, remembering its random state."""
+        last_trainable = max((i for i, r in enumerate(runs) if r.trainable), default=None)
         for i, run in enumerate(runs):
             outs = []
             for c, chunk in enumerate(run.chunks):
@@ -427,18 +465,34 @@ class GradCache:
                 reps = torch.empty_like(reps).index_copy_(0, run.order.to(reps.device), reps)
             run.reps = reps.detach().requires_grad_(run.trainable)
 
-        # (2) loss on the cached embeddings, backward to them.
+    def _loss_and_backward(self, runs: list[_TowerRun], loss_kwargs: dict[str, Any],
+                           counts: dict[str, list[int]] | None
+                           ) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        """(2) The loss on the cached embeddings (gathered over ranks when cross-device) and
+        its backward to them. Returns (backpropagated loss, reported loss, metrics)."""
         reps = {run.name: run.reps for run in runs}
-        loss, metrics = self.compute_loss(reps, **loss_kwargs)
-        if not isinstance(loss, Tensor) or loss.dim() != 0:
-            raise ShapeError(f"loss_fn must return a scalar loss, got "
-                             f"{tuple(loss.shape) if isinstance(loss, Tensor) else type(loss)}")
-        if self.check_finite:
-            self._check_finite(runs, loss)
-        if loss.requires_grad:
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        world = D.world_info(self.process_group).world_size if counts is not None else 1
+        if counts is not None and self.cross_device:
+            gathered = self._gather(runs, counts)
+            if hasattr(self.loss_fn, "cross_device_forward"):
+                part, total, metrics = self.loss_fn.cross_device_forward(gathered, **loss_kwargs)
+                self._check_loss(runs, total, local=False)
+                backprop = part
+            else:  # the global loss on every rank; the gather's backward sums W copies
+                total, metrics = self.compute_loss(gathered.reps, **loss_kwargs)
+                self._check_loss(runs, total, local=False)
+                backprop = total / world
+        else:
+            total, metrics = self.compute_loss(reps, **loss_kwargs)
+            self._check_loss(runs, total, local=True)
+            backprop = total / world  # no cross-device: the mean over ranks, as DDP
+        if backprop.requires_grad:
+            (self.scaler.scale(backprop) if self.scaler is not None else backprop).backward()
+        return backprop, total.detach(), metrics
 
-        # (3) replay each trainable chunk with gradients and backpropagate the cached gradient.
+    def _replay_all(self, runs: list[_TowerRun], fsdp: list[nn.Module]) -> None:
+        """(3) Replay each trainable chunk with gradients and backpropagate its cached gradient."""
+        jobs: list[tuple[_TowerRun, int | None, Tensor]] = []
         for run in runs:
             if not run.trainable:
                 continue
@@ -449,16 +503,137 @@ class GradCache:
             if run.order is not None:
                 grad = grad.index_select(0, run.order.to(grad.device))
             grads = grad.split(run.rows)
-            if run.kept is not None:
-                _surrogate_backward(run.kept, grads[-1])
+            if run.kept is not None:  # first: frees the kept graph before any replay
+                jobs.append((run, None, grads[-1]))
+            jobs.extend((run, c, grads[c]) for c in range(len(run.contexts)))
+        for j, (run, c, g) in enumerate(jobs):
+            if fsdp and j == len(jobs) - 1:
+                self._set_fsdp_sync(fsdp, True)  # reduce-scatter on the last backward only
+            if c is None:
+                _surrogate_backward(run.kept, g)
                 run.kept = None
-            for c, ctx in enumerate(run.contexts):
-                chunk = _to_device(run.chunks[c], self.device)
-                with ctx, self._autocast(_first_device(chunk)):
-                    emb = self.embed(run.name, chunk)
-                _surrogate_backward(emb, grads[c])
-        return StepResult(loss.detach(), {k: v.detach() if isinstance(v, Tensor) else
-                                          torch.as_tensor(v) for k, v in metrics.items()})
+                continue
+            chunk = _to_device(run.chunks[c], self.device)
+            with run.contexts[c], self._autocast(_first_device(chunk)):
+                emb = self.embed(run.name, chunk)
+            _surrogate_backward(emb, g)
+
+    # ------------------------------------------------------------ distributed
+    def _agree_on_sizes(self, runs: list[_TowerRun]) -> dict[str, list[int]]:
+        """Exchange rows and chunk counts per tower; every rank raises the same error."""
+        names = [r.name for r in runs]
+        table = D._exchange_ints([sum(r.rows) for r in runs] + [len(r.chunks) for r in runs],
+                                 self.process_group)
+        rows = table[:, : len(runs)]
+        chunks = table[:, len(runs):]
+        counts = {n: rows[:, i].tolist() for i, n in enumerate(names)}
+        empty = [(r, n) for n in names for r, v in enumerate(counts[n]) if v == 0]
+        if empty:
+            raise InputError(f"rank {empty[0][0]} has no rows for tower {empty[0][1]!r}; every "
+                             f"rank needs at least one example (use drop_last=True in the sampler)")
+        if self._fsdp_modules() and not bool((chunks == chunks[0]).all()):
+            raise ConfigError(f"FSDP towers need the same number of chunks on every rank (their "
+                              f"forward passes are collective), got {chunks.tolist()} per rank; "
+                              f"use equal local batches (drop_last=True) or cross_device=False")
+        return counts
+
+    def _agree_after_embedding(self, runs: list[_TowerRun]) -> None:
+        """Exchange finiteness and embedding width per tower, so all ranks fail together."""
+        finite = [int(bool(torch.isfinite(r.reps).all())) if self.check_finite else 1 for r in runs]
+        dims = [r.reps.shape[1] for r in runs]
+        table = D._exchange_ints(finite + dims, self.process_group)
+        for i, run in enumerate(runs):
+            bad = [r for r in range(table.shape[0]) if table[r, i] == 0]
+            if bad:
+                raise NonFiniteError(f"tower {run.name!r} produced NaN or inf embeddings on rank(s) "
+                                     f"{bad}; no gradient was written")
+            widths = table[:, len(runs) + i].tolist()
+            if len(set(widths)) > 1:
+                raise ShapeError(f"tower {run.name!r} embeds to different widths on the ranks: "
+                                 f"{widths}; every rank must run the same model")
+
+    def _gather(self, runs: list[_TowerRun], counts: dict[str, list[int]]) -> D.Gathered:
+        """All towers' embeddings from all ranks, in one all-gather with gradient."""
+        info = D.world_info(self.process_group)
+        dtype = runs[0].reps.dtype
+        for run in runs[1:]:
+            dtype = torch.promote_types(dtype, run.reps.dtype)
+        dims = [run.reps.shape[1] for run in runs]
+        flat = torch.cat([run.reps.to(dtype).reshape(-1) for run in runs])
+        sizes = [sum(counts[run.name][r] * d for run, d in zip(runs, dims))
+                 for r in range(info.world_size)]
+        every = D.gather_with_grad(flat, self.process_group, sizes).split(sizes)
+        per_tower: dict[str, list[Tensor]] = {run.name: [] for run in runs}
+        for r, part in enumerate(every):
+            pieces = part.split([counts[run.name][r] * d for run, d in zip(runs, dims)])
+            for run, d, piece in zip(runs, dims, pieces):
+                per_tower[run.name].append(piece.view(-1, d))
+        reps = {name: torch.cat(parts) for name, parts in per_tower.items()}
+        return D.Gathered(reps, {run.name: counts[run.name] for run in runs}, info.rank,
+                          info.world_size, self.process_group)
+
+    def _fsdp_modules(self) -> list[nn.Module]:
+        seen: dict[int, nn.Module] = {}
+        for tower in self.towers.values():
+            if isinstance(tower, nn.Module):
+                for m in tower.modules():
+                    if D.is_fsdp(m):
+                        seen.setdefault(id(m), m)
+        return list(seen.values())
+
+    @staticmethod
+    def _set_fsdp_sync(fsdp: list[nn.Module], on: bool) -> None:
+        for m in fsdp:
+            m.set_requires_gradient_sync(on, recurse=False)
+
+    @contextlib.contextmanager
+    def _no_sync(self, fsdp: list[nn.Module]):
+        """No DDP or FSDP gradient synchronisation inside a step, but where the engine asks."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        with contextlib.ExitStack() as stack:
+            for tower in {id(t): t for t in self.towers.values()}.values():
+                if isinstance(tower, DistributedDataParallel):
+                    stack.enter_context(tower.no_sync())
+            for m in fsdp:
+                m.set_gradient_divide_factor(1.0)  # the loss is already global: sum, not mean
+            self._set_fsdp_sync(fsdp, False)
+            try:
+                yield
+            finally:
+                self._set_fsdp_sync(fsdp, True)
+
+    def _sync_params(self) -> list[nn.Parameter]:
+        if self._explicit_params is not None:
+            params = list(self._explicit_params)
+        else:
+            params = []
+            for name, tower in self.towers.items():
+                inner = D.unwrap_ddp(tower)
+                if not isinstance(inner, nn.Module):
+                    raise ConfigError(f"tower {name!r} is a plain function, so the engine cannot "
+                                      f"find the parameters to synchronise over ranks; pass "
+                                      f"params=model.parameters() to GradCache")
+                params.extend(inner.parameters())
+        if isinstance(self.loss_fn, nn.Module):
+            params.extend(self.loss_fn.parameters())
+        return params
+
+    def _check_loss(self, runs: list[_TowerRun], loss: Any, local: bool) -> None:
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            raise ShapeError(f"loss_fn must return a scalar loss, got "
+                             f"{tuple(loss.shape) if isinstance(loss, Tensor) else type(loss)}")
+        if not self.check_finite:
+            return
+        if D.is_distributed(self.process_group):
+            ok = bool(torch.isfinite(loss.detach()))
+            if local:  # a rank-local loss: agree, so that every rank raises together
+                ok = bool(D._exchange_ints([int(ok)], self.process_group).min())
+            if not ok:
+                raise NonFiniteError("the loss is NaN or inf on at least one rank; no gradient "
+                                     "was written")
+            return
+        self._check_finite(runs, loss)
 
     def _check_finite(self, runs: list[_TowerRun], loss: Tensor) -> None:
         flags = torch.stack([torch.isfinite(r.reps).all() for r in runs]

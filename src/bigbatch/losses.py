@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -30,10 +30,23 @@ from torch.utils.checkpoint import checkpoint
 
 from .errors import ConfigError, ShapeError
 
-__all__ = ["LogitScale", "InfoNCE", "LossOutput", "hard_negative_count"]
+if TYPE_CHECKING:
+    from .distributed import Gathered
+
+__all__ = ["LogitScale", "InfoNCE", "LossOutput", "PartialLoss", "hard_negative_count"]
 
 # Order of the statistics each block returns (sums and counts, reduced at the end).
 _STATS = ("pos_sum", "correct", "neg_sum", "neg_n", "inb_sum", "inb_n", "hard_sum", "hard_n")
+
+
+class PartialLoss(NamedTuple):
+    """A rank's part of a global loss: ``part`` (backpropagated on this rank; the parts of all
+    ranks sum to the global loss), ``total`` (the detached global loss, identical on every
+    rank) and the global metrics."""
+
+    part: Tensor
+    total: Tensor
+    metrics: dict[str, Tensor]
 
 
 class LossOutput(NamedTuple):
@@ -255,8 +268,50 @@ class InfoNCE(nn.Module):
             stats = st if stats is None else stats + st
         return total, stats
 
-    def forward(self, query: Tensor, doc: Tensor,
-                doc_ids: Tensor | Sequence[Hashable] | None = None) -> LossOutput:
+    def _compute(self, q_all: Tensor, d_all: Tensor, q_lo: int, b_local: int, d_lo: int,
+                 b_total: int, k: int, ids_all: Tensor | None,
+                 q_pos_all: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """This process's part of the loss: rows ``q_lo:q_lo+b_local`` of the queries against all
+        documents (and, if symmetric, their positives against all queries), divided by the
+        total query count. Returns (part, stats sums, logit scale)."""
+        group = k + 1
+        dtype = torch.promote_types(torch.promote_types(q_all.dtype, d_all.dtype), torch.float32)
+        q_all, d_all = q_all.to(dtype), d_all.to(dtype)
+        scale = self.logit_scale().to(dtype)
+        dev = q_all.device
+        pos = d_lo + torch.arange(b_local, device=dev) * group
+        row_ids = None if ids_all is None else ids_all[pos]
+        loss_sum, st = self._direction(q_all[q_lo:q_lo + b_local], d_all, pos, scale, group,
+                                       ids_all, row_ids, True)
+        if self.symmetric:
+            back_pos = q_lo + torch.arange(b_local, device=dev)
+            col_ids = None if ids_all is None else ids_all[q_pos_all]
+            back_sum, _ = self._direction(d_all[pos], q_all, back_pos, scale, 1, col_ids,
+                                          row_ids, False)
+            loss_sum = 0.5 * (loss_sum + back_sum)
+        return loss_sum / b_total, st, scale
+
+    @staticmethod
+    def _metrics(st: Tensor, scale: Tensor, b_total: int, n_total: int,
+                 k: int) -> dict[str, Tensor]:
+        stats = dict(zip(_STATS, st.unbind()))
+        pos_sim = stats["pos_sum"] / b_total
+        neg_sim = stats["neg_sum"] / stats["neg_n"].clamp_min(1)
+        metrics = {
+            "pos_sim": pos_sim,
+            "neg_sim": neg_sim,
+            "inbatch_neg_sim": stats["inb_sum"] / stats["inb_n"].clamp_min(1),
+            "margin": pos_sim - neg_sim,
+            "accuracy": stats["correct"] / b_total,
+            "temperature": 1.0 / scale,
+            "masked": (b_total * (n_total - 1)) - stats["neg_n"],
+        }
+        if k > 0:
+            metrics["hard_neg_sim"] = stats["hard_sum"] / stats["hard_n"].clamp_min(1)
+        return {key: v.detach() for key, v in metrics.items()}
+
+    @staticmethod
+    def _check(query: Tensor, doc: Tensor) -> None:
         for name, t in (("query", query), ("doc", doc)):
             if t.dim() != 2:
                 raise ShapeError(f"InfoNCE input {name!r} must be 2-D (rows, dim), got shape "
@@ -264,36 +319,57 @@ class InfoNCE(nn.Module):
         if query.shape[1] != doc.shape[1]:
             raise ShapeError(f"query dim {query.shape[1]} != doc dim {doc.shape[1]}: the two "
                              f"towers must embed into the same space")
+
+    def forward(self, query: Tensor, doc: Tensor,
+                doc_ids: Tensor | Sequence[Hashable] | None = None) -> LossOutput:
+        self._check(query, doc)
         b, n = query.shape[0], doc.shape[0]
         k = hard_negative_count(b, n)
+        ids = None if doc_ids is None else _ids_tensor(doc_ids, n, query.device, "doc_ids")
+        q_pos = torch.arange(b, device=query.device) * (k + 1)
+        loss, st, scale = self._compute(query, doc, 0, b, 0, b, k, ids, q_pos)
+        return LossOutput(loss, self._metrics(st, scale, b, n, k))
+
+    def cross_device_forward(self, gathered: "Gathered",
+                             doc_ids: Tensor | Sequence[Hashable] | None = None) -> PartialLoss:
+        """This rank's part of the global-batch loss (see :mod:`bigbatch.distributed`).
+
+        ``gathered.reps`` holds the global ``query`` and ``doc`` embeddings; this rank scores
+        its own queries against every document of every rank (labels offset by rank) and,
+        if symmetric, its own positives against every query. Dividing by the global query
+        count makes the parts sum to the global loss. Metrics and the total are summed over
+        ranks in one all-reduce, so they are the global batch's, identical on every rank.
+        """
+        q_all, d_all = gathered.reps["query"], gathered.reps["doc"]
+        self._check(q_all, d_all)
+        bq, nd = gathered.counts["query"], gathered.counts["doc"]
+        ks = {hard_negative_count(b, n) if b else -1 for b, n in zip(bq, nd)} - {-1}
+        if len(ks) != 1:
+            raise ShapeError(f"ranks disagree on the number of hard negatives: queries per rank "
+                             f"{bq}, documents per rank {nd}; every rank needs B_r * (1 + k) "
+                             f"documents with the same k")
+        k = ks.pop()
         group = k + 1
-        dtype = torch.promote_types(torch.promote_types(query.dtype, doc.dtype), torch.float32)
-        q, d = query.to(dtype), doc.to(dtype)
-        scale = self.logit_scale().to(dtype)
-        pos = torch.arange(b, device=q.device) * group
-        ids = None if doc_ids is None else _ids_tensor(doc_ids, n, q.device, "doc_ids")
-        pos_ids = None if ids is None else ids[pos]
-
-        loss_sum, st = self._direction(q, d, pos, scale, group, ids, pos_ids, True)
-        loss = loss_sum / b
-        if self.symmetric:
-            d_pos = d[pos]
-            rows_pos = torch.arange(b, device=q.device)
-            back_sum, _ = self._direction(d_pos, q, rows_pos, scale, 1, pos_ids, pos_ids, False)
-            loss = 0.5 * (loss + back_sum / b)
-
-        stats = dict(zip(_STATS, st.unbind()))
-        pos_sim = stats["pos_sum"] / b
-        neg_sim = stats["neg_sum"] / stats["neg_n"].clamp_min(1)
-        metrics = {
-            "pos_sim": pos_sim,
-            "neg_sim": neg_sim,
-            "inbatch_neg_sim": stats["inb_sum"] / stats["inb_n"].clamp_min(1),
-            "margin": pos_sim - neg_sim,
-            "accuracy": stats["correct"] / b,
-            "temperature": (1.0 / scale).detach(),
-            "masked": (b * (n - 1)) - stats["neg_n"],
-        }
-        if k > 0:
-            metrics["hard_neg_sim"] = stats["hard_sum"] / stats["hard_n"].clamp_min(1)
-        return LossOutput(loss, {key: v.detach() for key, v in metrics.items()})
+        dev = q_all.device
+        ids_all = None
+        if doc_ids is not None:
+            local_n = nd[gathered.rank]
+            if isinstance(doc_ids, Tensor):
+                local = _ids_tensor(doc_ids, local_n, dev, "doc_ids")
+                ids_all = gathered.gather_values("doc", local)
+            else:
+                values = list(doc_ids)
+                if len(values) != local_n:
+                    raise ShapeError(f"doc_ids has {len(values)} entries but this rank has "
+                                     f"{local_n} documents; give one id per document")
+                ids_all = _ids_tensor(gathered.gather_values("doc", values), sum(nd), dev,
+                                      "doc_ids")
+        q_pos_all = torch.cat([d_off + torch.arange(b, device=dev) * group
+                               for d_off, b in zip(gathered.offsets["doc"], bq)])
+        rank = gathered.rank
+        part, st, scale = self._compute(q_all, d_all, gathered.offsets["query"][rank], bq[rank],
+                                        gathered.offsets["doc"][rank], sum(bq), k, ids_all,
+                                        q_pos_all)
+        summed = gathered.all_reduce_sum(torch.cat([part.detach().reshape(1), st]))
+        metrics = self._metrics(summed[1:], scale, sum(bq), sum(nd), k)
+        return PartialLoss(part, summed[0], metrics)
