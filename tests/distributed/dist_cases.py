@@ -125,10 +125,25 @@ def run_engine_case(*, k=0, sizes=(4, 4), symmetric=False, learnable=True, share
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (world,))
+        n_fsdp = 0  # FSDP modules that own parameters directly (each reduce-scatters once)
         for m in modules:
-            fully_shard(m.mlp, mesh=mesh)
-            fully_shard(m, mesh=mesh)
+            units = ([m.text.mlp, m.text, m.vision] if subsets else [m.mlp]) + [m]
+            claimed: set[int] = set()
+            for unit in units:  # count before sharding: fully_shard replaces the parameters
+                own = {id(p) for p in unit.parameters()} - claimed
+                n_fsdp += bool(own)
+                claimed |= own
+            for unit in units:
+                fully_shard(unit, mesh=mesh)
         towers = towers_mod
+        rs_calls = []
+        orig_rs = dist.reduce_scatter_single
+
+        def counting_rs(*a, **kw):
+            rs_calls.append(1)
+            return orig_rs(*a, **kw)
+
+        dist.reduce_scatter_single = counting_rs
     else:
         towers = towers_mod
 
@@ -140,6 +155,7 @@ def run_engine_case(*, k=0, sizes=(4, 4), symmetric=False, learnable=True, share
     torch.manual_seed(100 + rank)
     result = cache.step(query=q_in, doc=d_in, **kwargs)
     if fsdp:
+        dist.reduce_scatter_single = orig_rs
         got = {}
         for i, m in enumerate(modules):
             for name, p in m.named_parameters():
@@ -163,6 +179,7 @@ def run_engine_case(*, k=0, sizes=(4, 4), symmetric=False, learnable=True, share
     # single-process reference: every rank's chunks in rank order, each rank's seed
     if fsdp:
         return {"cross_rank_diff": diff, "loss": result.loss.item(), "got_keys": len(got),
+                "reduce_scatters": len(rs_calls), "fsdp_modules": n_fsdp,
                 "fsdp_grads": {k: v.tolist() for k, v in got.items()}}
     zero(*modules, loss_fn)
     ref_q, ref_d = [], []
@@ -197,18 +214,19 @@ def run_engine_case(*, k=0, sizes=(4, 4), symmetric=False, learnable=True, share
     return res
 
 
-def fsdp_reference(k, sizes):
+def fsdp_reference(k, sizes, subsets=False):
     """Reference gradients for the FSDP case, computed without FSDP in this process."""
     world = len(sizes)
     torch.manual_seed(0)
-    model = TokenTower(p=0.1).to(DT)
+    model = TwoPath().to(DT) if subsets else TokenTower(p=0.1).to(DT)
+    extra = ({"kind": "text"}, {"kind": "image"}) if subsets else ({}, {})
     loss_fn = bb.InfoNCE(temperature=0.1).to(DT)
     batches = global_batch(sizes, k)
     ref_q, ref_d = [], []
     for r in range(world):
         torch.manual_seed(100 + r)
-        ref_q += [model(**c) for c in trimmed_chunks(batches[r][0], CHUNK)]
-        ref_d += [model(**c) for c in trimmed_chunks(batches[r][1], CHUNK)]
+        ref_q += [model(**c, **extra[0]) for c in trimmed_chunks(batches[r][0], CHUNK)]
+        ref_d += [model(**c, **extra[1]) for c in trimmed_chunks(batches[r][1], CHUNK)]
     loss, _ = loss_fn(query=torch.cat(ref_q), doc=torch.cat(ref_d))
     loss.backward()
     return grads_of(model, loss_fn), loss.item()
@@ -292,6 +310,7 @@ CASES = {
     "generic_loss_k1": lambda: run_engine_case(k=1, generic_loss=True, learnable=False),
     "no_cross_device_k1": lambda: run_engine_case(k=1, cross_device=False),
     "fsdp_k1": lambda: run_engine_case(k=1, fsdp=True),
+    "fsdp_subsets_k1": lambda: run_engine_case(k=1, fsdp=True, subsets=True),
     "gather_with_grad": case_gather_with_grad,
     "shape_disagreement": case_shape_disagreement,
     "non_finite_one_rank": case_non_finite_on_one_rank,

@@ -77,10 +77,13 @@ def test_metrics_are_global_and_identical(results):
     assert accs[0] == accs[1]
 
 
-def test_fsdp2_fully_shard_matches_reference(results):
-    ref, ref_loss = dist_cases.fsdp_reference(k=1, sizes=(4, 4))
+@pytest.mark.parametrize("case,subsets", [("fsdp_k1", False), ("fsdp_subsets_k1", True)])
+def test_fsdp2_fully_shard_matches_reference(results, case, subsets):
+    ref, ref_loss = dist_cases.fsdp_reference(k=1, sizes=(4, 4), subsets=subsets)
     for rank, r in enumerate(results):
-        res = r["fsdp_k1"]
+        res = r[case]
+        # one reduce-scatter per FSDP module: only on the last replay, not per chunk
+        assert res["reduce_scatters"] == res["fsdp_modules"], res["reduce_scatters"]
         got = {k: __import__("torch").tensor(v, dtype=dist_cases.DT)
                for k, v in res["fsdp_grads"].items()}
         from helpers import max_rel_err
