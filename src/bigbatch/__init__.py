@@ -7,10 +7,11 @@ Public names::
     bb.InfoNCE, bb.LogitScale, bb.LossOutput   # losses (bigbatch.losses)
     bb.RandContext                       # random-state replay (bigbatch.rng)
     bb.functional.cached                 # luyug-style functional API
+    bb.distributed                       # init_distributed, gather_with_grad, ...
     bb.errors                            # exception classes
 """
 
-from . import errors, functional
+from . import distributed, errors, functional
 from .cache import GradCache, StepResult
 from .errors import BigBatchError, ConfigError, DataError, InputError, NonFiniteError, ShapeError
 from .losses import InfoNCE, LogitScale, LossOutput
@@ -20,6 +21,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GradCache", "StepResult", "InfoNCE", "LogitScale", "LossOutput", "RandContext",
-    "functional", "errors", "BigBatchError", "ConfigError", "InputError", "ShapeError",
+    "functional", "distributed", "errors", "BigBatchError", "ConfigError", "InputError", "ShapeError",
     "NonFiniteError", "DataError", "__version__",
 ]
