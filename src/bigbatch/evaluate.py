@@ -1,0 +1,134 @@
+"""Full-corpus retrieval evaluation on a BEIR split: nDCG@10, Recall@1/5/10, MRR@10, and the
+mean similarity of positives and negatives with their margin.
+
+Exact search: every query against every document (a matrix product in blocks of queries),
+so the numbers are reproducible and comparable to published BEIR/MTEB figures (for
+all-MiniLM-L6-v2 on SciFact test, 0.6451 nDCG@10 at max length 256).
+
+Definitions (as trec_eval / pytrec_eval, which BEIR and MTEB use):
+    nDCG@k = DCG@k / IDCG@k, DCG@k = sum_{i<=k} rel_i / log2(i + 1) (linear gain),
+    Recall@k = |relevant in top k| / |relevant|, MRR@k = 1 / rank of the first relevant
+    document in the top k (0 if none), each averaged over queries.
+    pos_sim: mean similarity of (query, relevant document) pairs; neg_sim: mean over queries
+    of the mean similarity to all non-relevant documents; margin = pos_sim - neg_sim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["retrieval_metrics", "evaluate_retrieval", "evaluate_beir", "unseen_query_ids",
+           "METRIC_NAMES"]
+
+METRIC_NAMES = ("ndcg@10", "recall@1", "recall@5", "recall@10", "mrr@10", "pos_sim", "neg_sim",
+                "margin")
+
+
+def retrieval_metrics(ranked: Mapping[str, Sequence[str]],
+                      qrels: Mapping[str, Mapping[str, int]]) -> dict[str, float]:
+    """nDCG@10, Recall@1/5/10 and MRR@10 from ranked document ids per query.
+
+    ``ranked[q]`` lists document ids best first (at least 10 when the corpus has them);
+    queries without a positive relevance judgement are skipped.
+    """
+    sums = {"ndcg@10": 0.0, "recall@1": 0.0, "recall@5": 0.0, "recall@10": 0.0, "mrr@10": 0.0}
+    n = 0
+    for q, rels in qrels.items():
+        relevant = {d: r for d, r in rels.items() if r > 0}
+        if not relevant or q not in ranked:
+            continue
+        n += 1
+        top = list(ranked[q])[:10]
+        dcg = sum(relevant.get(d, 0) / math.log2(i + 2) for i, d in enumerate(top))
+        ideal = sorted(relevant.values(), reverse=True)[:10]
+        idcg = sum(r / math.log2(i + 2) for i, r in enumerate(ideal))
+        sums["ndcg@10"] += dcg / idcg
+        for k in (1, 5, 10):
+            sums[f"recall@{k}"] += sum(1 for d in top[:k] if d in relevant) / len(relevant)
+        for i, d in enumerate(top):
+            if d in relevant:
+                sums["mrr@10"] += 1.0 / (i + 1)
+                break
+    return {k: v / n if n else float("nan") for k, v in sums.items()} | {"queries": float(n)}
+
+
+def evaluate_retrieval(query_emb: Tensor, doc_emb: Tensor, query_ids: Sequence[str],
+                       doc_ids: Sequence[str], qrels: Mapping[str, Mapping[str, int]],
+                       top_k: int = 10, block: int = 256) -> dict[str, float]:
+    """Exact search of every query against every document, then :func:`retrieval_metrics`
+    plus pos_sim, neg_sim and margin."""
+    doc_index = {d: i for i, d in enumerate(doc_ids)}
+    ranked: dict[str, list[str]] = {}
+    pos_sum, pos_n, neg_means = 0.0, 0, []
+    d = doc_emb.float()
+    k = min(top_k, d.shape[0])
+    for lo in range(0, len(query_ids), block):
+        sims = query_emb[lo:lo + block].float() @ d.T
+        top = sims.topk(k, dim=1).indices.tolist()
+        totals = sims.sum(1).tolist()
+        for row, qid in enumerate(query_ids[lo:lo + block]):
+            ranked[qid] = [doc_ids[j] for j in top[row]]
+            rel = [doc_index[x] for x, r in qrels.get(qid, {}).items() if r > 0 and x in doc_index]
+            if not rel:
+                continue
+            rel_sims = sims[row, rel]
+            pos_sum += rel_sims.sum().item()
+            pos_n += len(rel)
+            if d.shape[0] > len(rel):
+                neg_means.append((totals[row] - rel_sims.sum().item()) / (d.shape[0] - len(rel)))
+    out = retrieval_metrics(ranked, qrels)
+    out["pos_sim"] = pos_sum / pos_n if pos_n else float("nan")
+    out["neg_sim"] = sum(neg_means) / len(neg_means) if neg_means else float("nan")
+    out["margin"] = out["pos_sim"] - out["neg_sim"]
+    return out
+
+
+def unseen_query_ids(root: str | Path, split: str = "test", seen_split: str = "train") -> list[str]:
+    """Queries of ``split`` none of whose relevant documents appear in ``qrels/<seen_split>.tsv``
+    (SciFact: 104 of the 300 test claims). Empty when that qrels file does not exist."""
+    from .data.beir import load_qrels
+
+    seen_path = Path(root) / "qrels" / f"{seen_split}.tsv"
+    if not seen_path.exists():
+        return []
+    seen = {d for rels in load_qrels(seen_path).values() for d, r in rels.items() if r > 0}
+    qrels = load_qrels(Path(root) / "qrels" / f"{split}.tsv")
+    return sorted(q for q, rels in qrels.items()
+                  if not any(d in seen for d, r in rels.items() if r > 0))
+
+
+def evaluate_beir(encoder: Any, root: str | Path, split: str = "test", batch_size: int = 64,
+                  device: torch.device | str | None = None, unseen_from: str | None = "train",
+                  corpus_cache: dict | None = None, progress: bool = True,
+                  autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
+    """Embed the whole corpus and the split's queries with ``encoder`` (a
+    :class:`bigbatch.encoders.TextEncoder`) and return the metrics; with ``unseen_from``, the
+    same metrics on the queries whose relevant documents are not in that split's qrels are
+    added with the prefix ``unseen/``."""
+    from .data.beir import load_beir
+
+    data = load_beir(root, split)
+    doc_ids = list(data.corpus)
+    query_ids = list(data.queries)
+    doc_emb = encoder.encode([data.corpus[d] for d in doc_ids], kind="doc", batch_size=batch_size,
+                             device=device, progress="embed corpus" if progress else None,
+                             autocast_dtype=autocast_dtype)
+    query_emb = encoder.encode([data.queries[q] for q in query_ids], kind="query",
+                               batch_size=batch_size, device=device,
+                               progress="embed queries" if progress else None,
+                               autocast_dtype=autocast_dtype)
+    out = evaluate_retrieval(query_emb, doc_emb, query_ids, doc_ids, data.qrels)
+    if unseen_from:
+        unseen = set(unseen_query_ids(root, split, unseen_from))
+        if unseen:
+            idx = [i for i, q in enumerate(query_ids) if q in unseen]
+            sub = evaluate_retrieval(query_emb[idx], doc_emb, [query_ids[i] for i in idx],
+                                     doc_ids, {q: data.qrels[q] for q in unseen})
+            out.update({f"unseen/{k}": v for k, v in sub.items()})
+    return out

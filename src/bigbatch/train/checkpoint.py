@@ -1,0 +1,154 @@
+"""Checkpoints written atomically: everything goes into a temporary directory next to the
+target, which is renamed into place only when complete, so a kill at any moment leaves the
+previous checkpoint usable. Each holds the model (weights or adapter, in the loadable
+layout of :meth:`TextEncoder.save`), optimizer, scheduler, logit scale, grad scaler, every
+random state (per rank) and the data position.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rotate_checkpoints",
+           "rng_state", "set_rng_state", "atomic_dir"]
+
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy (if installed), torch CPU and accelerator random states."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class atomic_dir:
+    """``with atomic_dir(final) as tmp:`` write into ``tmp``; on success ``tmp`` replaces
+    ``final`` (the old one is moved aside first, then deleted); on failure ``tmp`` is removed
+    and ``final`` is untouched."""
+
+    def __init__(self, final: str | Path) -> None:
+        self.final = Path(final)
+        self.tmp = self.final.with_name(f".{self.final.name}.tmp-{os.getpid()}")
+
+    def __enter__(self) -> Path:
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True)
+        return self.tmp
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        for f in self.tmp.rglob("*"):  # flush file contents before the rename
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
+        if self.final.exists():
+            os.replace(self.final, old)
+        os.replace(self.tmp, self.final)
+        if old.exists():
+            shutil.rmtree(old)
+
+
+def save_checkpoint(path: str | Path, *, encoder: Any, loss_fn: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
+                    state: dict[str, Any], config: Any, rank_states: list[dict[str, Any]]) -> Path:
+    """Write a checkpoint atomically (call on the main rank, with every rank's RNG state)."""
+    path = Path(path)
+    with atomic_dir(path) as tmp:
+        encoder.save(tmp / "model")
+        torch.save({
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "loss_fn": loss_fn.state_dict(),
+            "trainable": {n: p.detach().cpu() for n, p in encoder.named_parameters()
+                          if p.requires_grad},
+            "state": state,
+        }, tmp / "trainer_state.pt")
+        for r, s in enumerate(rank_states):
+            torch.save(s, tmp / f"rng_state_rank{r}.pt")
+        config.write(tmp / "config.yaml")
+    return path
+
+
+def load_checkpoint(path: str | Path, *, encoder: Any, loss_fn: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
+                    rank: int = 0) -> dict[str, Any]:
+    """Restore everything :func:`save_checkpoint` wrote; returns the saved ``state`` dict.
+
+    Raises:
+        ConfigError: not a checkpoint, or saved with a different model or world size.
+    """
+    path = Path(path)
+    f = path / "trainer_state.pt"
+    if not f.exists():
+        raise ConfigError(f"--resume: {path} is not a bigbatch checkpoint (no trainer_state.pt)")
+    blob = torch.load(f, map_location="cpu", weights_only=False)
+    params = dict(encoder.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in blob["trainable"]]
+    if missing:
+        raise ConfigError(f"--resume: {path} was saved from a different model or LoRA setting "
+                          f"(missing {missing[:3]}...)")
+    with torch.no_grad():
+        for n, t in blob["trainable"].items():
+            params[n].copy_(t)
+    loss_fn.load_state_dict(blob["loss_fn"])
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    if scaler is not None and blob.get("scaler") is not None:
+        scaler.load_state_dict(blob["scaler"])
+    rng_file = path / f"rng_state_rank{rank}.pt"
+    if not rng_file.exists():
+        raise ConfigError(f"--resume: {path} has no random state for rank {rank}; resume with "
+                          f"the world size it was saved with")
+    set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+    return blob["state"]
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in ``output_dir`` (temporary ones ignored)."""
+    found = []
+    for p in Path(output_dir).glob("checkpoint-*"):
+        m = _NAME.match(p.name)
+        if m and (p / "trainer_state.pt").exists():
+            found.append((int(m.group(1)), p))
+    return max(found)[1] if found else None
+
+
+def rotate_checkpoints(output_dir: str | Path, keep: int) -> None:
+    """Delete all but the ``keep`` newest ``checkpoint-N`` directories (``best/`` is separate)."""
+    if keep <= 0:
+        return
+    found = sorted((int(m.group(1)), p) for p in Path(output_dir).glob("checkpoint-*")
+                   if (m := _NAME.match(p.name)))
+    for _, p in found[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)

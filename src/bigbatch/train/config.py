@@ -1,0 +1,203 @@
+"""Training configuration: defaults, a YAML file, and command-line flags, in that order of
+precedence (flags override the file, the file overrides defaults).
+
+Unknown keys and bad values raise :class:`bigbatch.errors.ConfigError` naming the key (and
+the file). The resolved configuration is written to ``<output_dir>/config.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["TrainConfig", "load_config", "DTYPES"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class TrainConfig:
+    """Every option of ``bigbatch train``; defaults follow the seed pipeline."""
+
+    model: str = ""
+    train_data: str = ""
+    train_split: str = "train"
+    eval_data: str | None = None
+    eval_split: str = "test"
+    output_dir: str = "runs/bigbatch"
+    batch_size: int = 4
+    grad_cache_chunk: int = 2
+    lr: float = 2e-5
+    logit_scale_lr: float | None = None
+    weight_decay: float = 0.01
+    scheduler: str = "cosine"
+    warmup_steps: int = 50
+    max_steps: int = 500
+    epochs: float | None = None
+    temperature: float = 0.07
+    fixed_temperature: bool = False
+    symmetric: bool = False
+    num_hard_negatives: int = 0
+    lora_r: int = 32
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | None = None
+    merge_lora: bool = False
+    pooling: str = "mean"
+    max_length: int = 256
+    query_max_length: int | None = None
+    query_prefix: str = ""
+    doc_prefix: str = ""
+    gradient_checkpointing: bool = False
+    max_grad_norm: float = 1.0
+    eval_steps: int = 0
+    eval_batch_size: int = 64
+    eval_at_start: bool = True
+    best_metric: str = "ndcg@10"
+    save_steps: int = 100
+    save_total_limit: int = 2
+    resume: str | None = None
+    seed: int = 42
+    dtype: str = "float32"
+    device: str | None = None
+    log_steps: int = 1
+    dist_timeout: float = 1800.0
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def validate(self) -> "TrainConfig":
+        """Raise :class:`ConfigError` naming the option for any impossible value."""
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"--{name.replace('_', '-')}: {why} (got {getattr(self, name)!r})")
+
+        if not self.model:
+            raise ConfigError("--model is required: a path or name of a transformers model")
+        if not self.train_data:
+            raise ConfigError("--train-data is required: a JSONL file or a BEIR directory")
+        for name in ("batch_size", "grad_cache_chunk", "max_length", "eval_batch_size",
+                     "log_steps"):
+            if getattr(self, name) <= 0:
+                raise bad(name, "must be > 0")
+        for name in ("warmup_steps", "eval_steps", "save_steps", "num_hard_negatives",
+                     "lora_r", "lora_alpha", "save_total_limit"):
+            if getattr(self, name) < 0:
+                raise bad(name, "must be >= 0")
+        if self.max_steps <= 0 and not self.epochs:
+            raise bad("max_steps", "must be > 0 (or give --epochs)")
+        if self.epochs is not None and self.epochs <= 0:
+            raise bad("epochs", "must be > 0")
+        if not self.lr > 0:
+            raise bad("lr", "must be > 0")
+        if not self.temperature > 0:
+            raise bad("temperature", "must be > 0")
+        if self.max_grad_norm < 0:
+            raise bad("max_grad_norm", "must be >= 0 (0 turns clipping off)")
+        if self.scheduler not in ("cosine", "constant"):
+            raise bad("scheduler", "must be 'cosine' or 'constant'")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"must be one of {DTYPES}")
+        if self.pooling not in ("mean", "cls", "last"):
+            raise bad("pooling", "must be 'mean', 'cls' or 'last'")
+        if not 0 <= self.lora_dropout < 1:
+            raise bad("lora_dropout", "must be in [0, 1)")
+        if self.lora_r > 0 and self.lora_alpha == 0:
+            raise bad("lora_alpha", "0 means full fine-tuning; then set --lora-r 0 too")
+        from ..evaluate import METRIC_NAMES
+        metric = self.best_metric.removeprefix("unseen/")
+        if metric not in METRIC_NAMES:
+            raise bad("best_metric", f"must be one of {METRIC_NAMES} (optionally 'unseen/...')")
+        return self
+
+    @property
+    def full_finetune(self) -> bool:
+        """``--lora-alpha 0`` or ``--lora-r 0`` means full fine-tuning."""
+        return self.lora_r == 0 or self.lora_alpha == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("extra")
+        return d
+
+    def write(self, path: str | Path) -> None:
+        import yaml
+
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "extra"}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Check a YAML value against the field's type; ints are accepted for floats."""
+    f = _FIELDS[name]
+    default = f.default if f.default is not dataclasses.MISSING else None
+    kind = type(default) if default is not None else None
+    typ = str(f.type)
+    if value is None:
+        if "None" in typ:
+            return None
+        raise ConfigError(f"{source}: {name} must not be empty")
+    if "list" in typ:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        raise ConfigError(f"{source}: {name} must be a list of strings, got {value!r}")
+    if kind is bool or typ == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{source}: {name} must be true or false, got {value!r}")
+    if kind is int or typ.startswith("int"):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{source}: {name} must be an integer, got {value!r}")
+    if kind is float or typ.startswith("float"):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML reads 2e-5 as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{source}: {name} must be a number, got {value!r}")
+    if isinstance(value, (str, int, float)):
+        return str(value)
+    raise ConfigError(f"{source}: {name} must be a string, got {value!r}")
+
+
+def _check_keys(keys: Any, source: str) -> None:
+    for key in keys:
+        if key not in _FIELDS:
+            close = difflib.get_close_matches(key, list(_FIELDS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{source}: unknown option {key!r}{hint}")
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the YAML file ``path`` (keys spelled with ``_`` or ``-``), then
+    ``overrides`` (the flags given on the command line). Returns a validated config."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        import yaml
+
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"--config: file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: expected a mapping of option: value")
+        loaded = {str(k).replace("-", "_"): v for k, v in loaded.items()}
+        _check_keys(loaded, str(p))
+        values.update({k: _coerce(k, v, str(p)) for k, v in loaded.items()})
+    for k, v in (overrides or {}).items():
+        k = k.replace("-", "_")
+        _check_keys([k], "command line")
+        values[k] = v
+    return TrainConfig(**values).validate()

@@ -1,0 +1,252 @@
+"""The training loop of ``bigbatch train``: a bi-encoder fine-tuned with GradCache, hard
+negatives, a learnable temperature, LoRA or full fine-tuning, warmup and cosine schedule,
+gradient clipping over model and logit scale, retrieval evaluation during training, atomic
+checkpoints with exact resume, and cross-device negatives under torchrun.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import distributed as D
+from .._progress import progress_bar
+from ..cache import GradCache
+from ..errors import ConfigError
+from ..losses import InfoNCE
+from .checkpoint import (atomic_dir, latest_checkpoint, load_checkpoint, rng_state,
+                         rotate_checkpoints, save_checkpoint)
+from .config import TrainConfig
+from .logging import RunLogger, plot_metrics
+from .schedule import make_scheduler
+
+__all__ = ["train"]
+
+_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _device(config: TrainConfig, info: D.WorldInfo) -> torch.device:
+    if config.device:
+        return torch.device(config.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", info.local_rank)
+    return torch.device("cpu")
+
+
+def _resume_path(resume: str) -> Path:
+    p = Path(resume)
+    if (p / "trainer_state.pt").exists():
+        return p
+    latest = latest_checkpoint(p) if p.is_dir() else None
+    if latest is None:
+        raise ConfigError(f"--resume: no checkpoint found at {p}")
+    return latest
+
+
+def _gather_rng_states(info: D.WorldInfo) -> list[dict[str, Any]]:
+    mine = rng_state()
+    if info.world_size == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    states: list[Any] = [None] * info.world_size
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def _barrier(info: D.WorldInfo) -> None:
+    if info.world_size > 1:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]:
+    """Run training as configured; returns a summary with the base and final metrics (and,
+    under ``"encoder"``, the trained :class:`TextEncoder`). ``_stop_after`` ends the run
+    right after step N's checkpoint, as a kill would (for resume tests)."""
+    from ..data import EpochBatches, load_records
+    from ..encoders import TextEncoder
+    from ..evaluate import evaluate_beir
+
+    config.validate()
+    info = D.init_distributed(timeout_s=config.dist_timeout)
+    device = _device(config, info)
+    out = Path(config.output_dir)
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    records = load_records(config.train_data, config.train_split, config.num_hard_negatives)
+    if config.grad_cache_chunk > config.batch_size:
+        config.grad_cache_chunk = config.batch_size
+
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)  # same model (and LoRA) initialisation on every rank
+    lora_r = 0 if config.full_finetune else config.lora_r
+    encoder = TextEncoder(config.model, pooling=config.pooling, max_length=config.max_length,
+                          query_prefix=config.query_prefix, doc_prefix=config.doc_prefix,
+                          lora_r=lora_r, lora_alpha=config.lora_alpha,
+                          lora_dropout=config.lora_dropout,
+                          lora_target_modules=config.lora_target_modules,
+                          gradient_checkpointing=config.gradient_checkpointing).to(device)
+    encoder.train()
+    loss_fn = InfoNCE(temperature=config.temperature,
+                      learnable_temperature=not config.fixed_temperature,
+                      symmetric=config.symmetric).to(device)
+    model_params = encoder.trainable_parameters()
+    groups = [{"params": model_params, "weight_decay": config.weight_decay}]
+    if list(loss_fn.parameters()):
+        groups.append({"params": list(loss_fn.parameters()), "weight_decay": 0.0,
+                       "lr": config.logit_scale_lr or config.lr})
+    optimizer = torch.optim.AdamW(groups, lr=config.lr)
+    batches = EpochBatches(records, config.batch_size, config.num_hard_negatives, config.seed,
+                           info.rank, info.world_size)
+    if len(batches) == 0:
+        raise ConfigError(f"{len(records)} training records are fewer than one global batch "
+                          f"({batches.global_batch} = --batch-size x processes)")
+    max_steps = config.max_steps
+    if config.epochs:
+        max_steps = math.ceil(config.epochs * len(batches))
+    scheduler = make_scheduler(optimizer, config.scheduler, config.warmup_steps, max_steps)
+    amp = _DTYPES[config.dtype]
+    scaler = torch.amp.GradScaler(device.type) if amp is torch.float16 else None
+    cache = GradCache({"query": encoder, "doc": encoder}, loss_fn,
+                      chunk_size=config.grad_cache_chunk, autocast_dtype=amp, scaler=scaler,
+                      device=device, sort_by_length=True)
+
+    state: dict[str, Any] = {"step": 0, "epoch": 0, "index": 0, "best": None, "best_step": None,
+                             "examples": 0, "base_metrics": None}
+    if config.resume:
+        ckpt = _resume_path(config.resume)
+        state = load_checkpoint(ckpt, encoder=encoder, loss_fn=loss_fn, optimizer=optimizer,
+                                scheduler=scheduler, scaler=scaler, rank=info.rank)
+    else:
+        torch.manual_seed(config.seed + info.rank)  # each rank its own dropout stream
+
+    logger = RunLogger(out, enabled=info.is_main)
+    if info.is_main:
+        config.write(out / "config.yaml")
+        n_train = sum(p.numel() for p in model_params)
+        print(f"bigbatch train: {len(records)} records, {len(batches)} steps/epoch, "
+              f"{max_steps} steps, global batch {batches.global_batch} "
+              f"({info.world_size} process(es) x {config.batch_size}), chunk "
+              f"{config.grad_cache_chunk}, k={config.num_hard_negatives}, "
+              f"{'LoRA r=' + str(lora_r) if lora_r else 'full fine-tuning'} "
+              f"({n_train:,} trainable parameters), device {device}", flush=True)
+
+    def evaluate(step: int) -> dict[str, float] | None:
+        if not config.eval_data:
+            return None
+        metrics = None
+        if info.is_main:
+            metrics = evaluate_beir(encoder, config.eval_data, config.eval_split,
+                                    batch_size=config.eval_batch_size, device=device)
+            logger.log(step, metrics, kind="eval")
+            shown = {k: round(v, 4) for k, v in metrics.items() if k in
+                     ("ndcg@10", "recall@1", "recall@10", "mrr@10", "unseen/ndcg@10")}
+            print(f"eval step {step}: {shown}", flush=True)
+        _barrier(info)
+        return metrics
+
+    def save(path: Path) -> None:
+        states = _gather_rng_states(info)
+        if info.is_main:
+            save_checkpoint(path, encoder=encoder, loss_fn=loss_fn, optimizer=optimizer,
+                            scheduler=scheduler, scaler=scaler, state=dict(state), config=config,
+                            rank_states=states)
+        _barrier(info)
+
+    def consider_best(metrics: dict[str, float] | None, step: int) -> None:
+        if metrics is None:
+            return
+        value = metrics.get(config.best_metric)
+        better = value is not None and (state["best"] is None or value > state["best"])
+        if info.world_size > 1:  # every rank must join the save's collectives
+            flag = D._exchange_ints([int(bool(better))])
+            better = bool(flag[0, 0])
+        if better:
+            state["best"], state["best_step"] = value, step
+            save(out / "best")
+
+    t_start = time.time()
+    if not config.resume and config.eval_at_start:
+        state["base_metrics"] = evaluate(0)
+
+    bar = progress_bar(total=max_steps, initial=state["step"], desc="train", unit="step")
+    last_eval_step = 0 if state["base_metrics"] is not None else -1
+    last_metrics = None
+    for batch in batches.iterate(state["epoch"], state["index"]):
+        if state["step"] >= max_steps:
+            break
+        q = encoder.tokenize(batch.queries, "query", max_length=config.query_max_length)
+        d = encoder.tokenize(batch.docs, "doc")
+        t0 = time.time()
+        optimizer.zero_grad(set_to_none=True)
+        result = cache.step(query=q, doc=d, doc_ids=batch.doc_ids)
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        all_params = model_params + list(loss_fn.parameters())
+        if config.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(all_params, config.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in all_params
+                                                       if p.grad is not None])
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        scheduler.step()
+        loss_fn.clamp_()
+        state["step"] += 1
+        state["epoch"], state["index"] = batch.epoch, batch.index + 1
+        state["examples"] += batches.global_batch
+        step = state["step"]
+        values = result.to_dict()
+        values.update(lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
+                      epoch=batch.epoch + (batch.index + 1) / len(batches),
+                      examples_per_s=batches.global_batch / max(time.time() - t0, 1e-9))
+        bar.update(1)
+        bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}",
+                        temp=f"{values['temperature']:.4f}",
+                        ex_s=f"{values['examples_per_s']:.1f}")
+        if step % config.log_steps == 0 or step == max_steps:
+            logger.log(step, values)
+        if config.eval_steps and step % config.eval_steps == 0 and step < max_steps:
+            last_metrics = evaluate(step)
+            last_eval_step = step
+            consider_best(last_metrics, step)
+        if config.save_steps and step % config.save_steps == 0 and step < max_steps:
+            save(out / f"checkpoint-{step:06d}")
+            if info.is_main:
+                rotate_checkpoints(out, config.save_total_limit)
+        if _stop_after is not None and step >= _stop_after:
+            bar.close()
+            logger.close()
+            return {"steps": step, "stopped": True, "encoder": encoder}
+    bar.close()
+
+    if state["step"] >= max_steps and last_eval_step != state["step"]:
+        last_metrics = evaluate(state["step"])
+        consider_best(last_metrics, state["step"])
+    save(out / f"checkpoint-{state['step']:06d}")
+    if info.is_main:
+        rotate_checkpoints(out, config.save_total_limit)
+        with atomic_dir(out / "final") as tmp:
+            encoder.save(tmp, merge_lora=config.merge_lora)
+        if (out / "metrics.jsonl").exists():
+            plot_metrics(out / "metrics.jsonl", out / "training_curves.png")
+        logger.close()
+    _barrier(info)
+    summary = {"steps": state["step"], "seconds": time.time() - t_start,
+               "base": state["base_metrics"], "final": last_metrics, "best": state["best"],
+               "best_step": state["best_step"], "output_dir": str(out),
+               "final_model": str(out / "final")}
+    if info.is_main:
+        import json
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary["encoder"] = encoder
+    return summary

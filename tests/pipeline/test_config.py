@@ -1,0 +1,83 @@
+"""Config resolution: defaults < YAML < flags; unknown keys and bad values are clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from bigbatch.cli import build_parser
+from bigbatch.errors import ConfigError
+from bigbatch.train.config import TrainConfig, load_config
+
+
+def flags(*argv):
+    args = build_parser().parse_args(["train", *argv])
+    return args.config, {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+
+
+def test_defaults_follow_the_seed():
+    c = TrainConfig(model="m", train_data="d").validate()
+    assert (c.batch_size, c.grad_cache_chunk, c.lr, c.warmup_steps, c.max_steps) == (4, 2, 2e-5, 50, 500)
+    assert (c.temperature, c.num_hard_negatives, c.lora_r, c.lora_alpha, c.max_grad_norm) == \
+        (0.07, 0, 32, 32, 1.0)
+
+
+def test_yaml_then_flags_override(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"model": "m", "train-data": "d", "lr": "3e-5", "batch_size": 64,
+                                 "lora_target_modules": "query,value", "symmetric": True}))
+    path, over = flags("--config", str(f), "--batch-size", "8", "--no-symmetric")
+    c = load_config(path, over)
+    assert c.lr == 3e-5                       # from the file (a string YAML reads as a number)
+    assert c.batch_size == 8                  # the flag wins
+    assert c.symmetric is False
+    assert c.lora_target_modules == ["query", "value"]
+    assert c.grad_cache_chunk == 2            # default untouched
+
+
+def test_resolved_config_round_trips(tmp_path):
+    c = load_config(None, {"model": "m", "train_data": "d", "epochs": 2.0})
+    c.write(tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == c
+
+
+def test_unknown_key_names_file_and_suggests(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model: m\ntrain_data: d\nbatch_sise: 3\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: unknown option 'batch_sise'; did you mean 'batch_size'"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("batch_size", "many", "batch_size must be an integer"),
+    ("lr", "fast", "lr must be a number"),
+    ("symmetric", "yes please", "symmetric must be true or false"),
+])
+def test_bad_yaml_values(tmp_path, key, value, match):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"model": "m", "train_data": "d", key: value}))
+    with pytest.raises(ConfigError, match=match):
+        load_config(f)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--grad-cache-chunk", "0"], "--grad-cache-chunk: must be > 0"),
+    (["--lr", "-1"], "--lr: must be > 0"),
+    (["--scheduler", "linear"], "--scheduler: must be 'cosine' or 'constant'"),
+    (["--dtype", "int8"], "--dtype: must be one of"),
+    (["--best-metric", "bleu"], "--best-metric"),
+    (["--lora-alpha", "0"], "--lora-alpha: 0 means full fine-tuning"),
+])
+def test_bad_flag_values(argv, match):
+    path, over = flags("--model", "m", "--train-data", "d", *argv)
+    with pytest.raises(ConfigError, match=match):
+        load_config(path, over)
+
+
+def test_required_options_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="--model is required"):
+        load_config(None, {"train_data": "d"})
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "nope.yaml")
+    assert TrainConfig(model="m", train_data="d", lora_r=0, lora_alpha=0).validate().full_finetune

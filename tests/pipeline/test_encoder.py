@@ -1,0 +1,130 @@
+"""The text encoder: pooling modes, prefixes, gradient checkpointing composed with the cache,
+and saved outputs that load in transformers (+ peft) and sentence-transformers with the same
+embeddings, for LoRA, merged LoRA and full fine-tuning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bigbatch as bb
+from bigbatch.encoders import TextEncoder, default_lora_targets
+from bigbatch.errors import ConfigError
+from helpers import grads_of, max_rel_err, zero_grads
+from pipeline_helpers import tiny_bert
+
+TEXTS = ["a short one", "a somewhat longer sentence about proteins and cells",
+         "tumor suppression by p53"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_bert(tmp_path_factory.mktemp("tiny") / "bert", dropout=0.0)
+
+
+def test_pooling_modes(tiny):
+    enc = TextEncoder(tiny, pooling="mean", normalize=False)
+    batch = enc.tokenize(TEXTS)
+    hidden = enc.model(**batch).last_hidden_state
+    m = batch["attention_mask"].unsqueeze(-1).float()
+    assert torch.allclose(enc(**batch), (hidden * m).sum(1) / m.sum(1), atol=1e-6)
+    enc.pooling = "cls"
+    assert torch.allclose(enc(**batch), hidden[:, 0])
+    enc.pooling = "last"
+    lengths = batch["attention_mask"].sum(1)
+    assert torch.allclose(enc(**batch), hidden[torch.arange(3), lengths - 1])
+    # left padding: the last token is the final column for every row
+    enc.tokenizer.padding_side = "left"
+    left = enc.tokenize(TEXTS)
+    assert (left["attention_mask"][:, -1] == 1).all()
+    out = enc(**left)
+    assert torch.allclose(out, enc.model(**left).last_hidden_state[:, -1])
+    with pytest.raises(ConfigError, match="pooling"):
+        TextEncoder(tiny, pooling="max")
+
+
+def test_prefixes_and_normalisation(tiny):
+    enc = TextEncoder(tiny, query_prefix="query: ", doc_prefix="passage: ")
+    q = enc.tokenize(["x"], kind="query")["input_ids"][0].tolist()
+    assert enc.tokenizer.decode(q, skip_special_tokens=True).replace(" ", "") == "query:x"
+    e = enc.encode(TEXTS, kind="doc", batch_size=2)
+    assert e.shape == (3, 32) and torch.allclose(e.norm(dim=1), torch.ones(3), atol=1e-5)
+
+
+def test_lora_defaults_and_errors(tiny):
+    assert default_lora_targets("bert") == ["query", "key", "value", "dense"]
+    assert default_lora_targets("qwen3") == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    enc = TextEncoder(tiny, lora_r=4, lora_alpha=8)
+    trainable = [n for n, p in enc.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    with pytest.raises(ConfigError, match="do not fit"):
+        TextEncoder(tiny, lora_r=4, lora_target_modules=["no_such_module"])
+
+
+def test_gradient_checkpointing_composes_with_the_cache(tiny):
+    batches = {}
+    grads = {}
+    for gc in (False, True):
+        torch.manual_seed(0)
+        enc = TextEncoder(tiny, gradient_checkpointing=gc).double()
+        enc.train()
+        loss_fn = bb.InfoNCE().double()
+        q = enc.tokenize(TEXTS, "query")
+        d = enc.tokenize(TEXTS[::-1] * 2)
+        cache = bb.GradCache({"query": enc, "doc": enc}, loss_fn, chunk_size=2)
+        zero_grads(enc, loss_fn)
+        cache.step(query=q, doc=d)
+        grads[gc] = grads_of(enc, loss_fn)
+    assert max_rel_err(grads[True], grads[False]) <= 1e-10
+
+
+def _trained(tiny, lora):
+    torch.manual_seed(0)
+    enc = TextEncoder(tiny, lora_r=4 if lora else 0, lora_alpha=8, query_prefix="query: ",
+                      doc_prefix="passage: ", max_length=64)
+    # move the weights away from the base so a silently unloaded adapter would show
+    with torch.no_grad():
+        for n, p in enc.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    return enc.eval()
+
+
+def _hf_embed(model, tok, texts, prefix):
+    batch = tok([prefix + t for t in texts], padding=True, truncation=True, max_length=64,
+                return_tensors="pt")
+    with torch.no_grad():
+        h = model(**batch).last_hidden_state
+    m = batch["attention_mask"].unsqueeze(-1).float()
+    return torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
+
+
+@pytest.mark.parametrize("mode", ["full", "lora", "lora-merged"])
+def test_saved_model_loads_in_transformers_peft_and_sentence_transformers(tiny, tmp_path, mode):
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel, AutoTokenizer
+
+    enc = _trained(tiny, lora=mode != "full")
+    ours_q = enc.encode(TEXTS, kind="query")
+    ours_d = enc.encode(TEXTS, kind="doc")
+    out = enc.save(tmp_path / "final", merge_lora=mode == "lora-merged")
+
+    tok = AutoTokenizer.from_pretrained(out)
+    if mode == "lora":
+        from peft import PeftModel
+        assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
+        model = PeftModel.from_pretrained(AutoModel.from_pretrained(tiny), out)
+        # transformers' own peft integration loads the adapter folder directly, too
+        direct = AutoModel.from_pretrained(out)
+        assert torch.allclose(_hf_embed(direct, tok, TEXTS, "passage: "), ours_d, atol=1e-5)
+    else:
+        model = AutoModel.from_pretrained(out)
+    assert torch.allclose(_hf_embed(model, tok, TEXTS, "passage: "), ours_d, atol=1e-5)
+    base = _hf_embed(AutoModel.from_pretrained(tiny), tok, TEXTS, "passage: ")
+    assert not torch.allclose(base, ours_d, atol=1e-3)  # the fine-tuning is really in there
+
+    st = SentenceTransformer(str(out), device="cpu")
+    st_q = torch.tensor(st.encode(TEXTS, prompt_name="query"))
+    st_d = torch.tensor(st.encode(TEXTS, prompt_name="document"))
+    assert torch.allclose(st_q, ours_q, atol=1e-5)
+    assert torch.allclose(st_d, ours_d, atol=1e-5)

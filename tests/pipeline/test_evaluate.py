@@ -1,0 +1,52 @@
+"""Retrieval metrics against values computed by hand on a crafted ranking."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bigbatch.evaluate import evaluate_retrieval, retrieval_metrics, unseen_query_ids
+
+
+def test_metrics_by_hand():
+    ranked = {
+        "q1": ["d1", "d2", "d3"] + [f"x{i}" for i in range(7)],   # relevant d1 at rank 1
+        "q2": ["x0", "x1", "d5"] + [f"x{i}" for i in range(2, 9)],  # relevant d5 at 3, d6 missing
+        "q3": ["x0"] * 10,                                          # nothing found
+    }
+    qrels = {"q1": {"d1": 1}, "q2": {"d5": 1, "d6": 1}, "q3": {"d9": 1}, "q4": {"d1": 0}}
+    m = retrieval_metrics(ranked, qrels)
+    ndcg_q2 = (1 / math.log2(4)) / (1 + 1 / math.log2(3))
+    assert m["queries"] == 3  # q4 has no positive judgement
+    assert m["ndcg@10"] == pytest.approx((1 + ndcg_q2 + 0) / 3)
+    assert m["recall@1"] == pytest.approx((1 + 0 + 0) / 3)
+    assert m["recall@5"] == pytest.approx((1 + 0.5 + 0) / 3)
+    assert m["recall@10"] == pytest.approx((1 + 0.5 + 0) / 3)
+    assert m["mrr@10"] == pytest.approx((1 + 1 / 3 + 0) / 3)
+
+
+def test_graded_relevance_uses_linear_gain():
+    m = retrieval_metrics({"q": ["a", "b"]}, {"q": {"a": 1, "b": 2}})
+    dcg = 1 / math.log2(2) + 2 / math.log2(3)
+    idcg = 2 / math.log2(2) + 1 / math.log2(3)
+    assert m["ndcg@10"] == pytest.approx(dcg / idcg)
+
+
+def test_exact_search_and_similarities():
+    docs = torch.eye(4)
+    queries = torch.tensor([[1.0, 0, 0, 0], [0, 0.6, 0.8, 0]])
+    m = evaluate_retrieval(queries, docs, ["q1", "q2"], ["a", "b", "c", "d"],
+                           {"q1": {"a": 1}, "q2": {"b": 1}})
+    # q2 ranks c (0.8) above b (0.6): rank 2
+    assert m["recall@1"] == pytest.approx(0.5)
+    assert m["mrr@10"] == pytest.approx((1 + 0.5) / 2)
+    assert m["pos_sim"] == pytest.approx((1.0 + 0.6) / 2)
+    assert m["neg_sim"] == pytest.approx((0.0 + 0.8 / 3) / 2)
+    assert m["margin"] == pytest.approx(m["pos_sim"] - m["neg_sim"])
+
+
+def test_unseen_queries_of_scifact():
+    from pipeline_helpers import SCIFACT
+    assert len(unseen_query_ids(SCIFACT, "test", "train")) == 104
