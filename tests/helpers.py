@@ -113,3 +113,15 @@ def max_rel_err(got: dict[str, Tensor], ref: dict[str, Tensor], record: bool = T
     if record and all(v.dtype == DT for v in ref.values()):
         ERRORS.append(worst)
     return worst
+
+
+def trimmed_chunks(batch: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
+    """Cut a right-padded tokenized batch into chunks of ``size`` rows, each trimmed to its
+    longest row, as the engine does (so a reference draws the same dropout mask shapes)."""
+    n = batch["input_ids"].shape[0]
+    out = []
+    for lo in range(0, n, size):
+        c = {k: v[lo:lo + size] for k, v in batch.items()}
+        width = int(c["attention_mask"].sum(1).max())
+        out.append({k: v[:, :width] for k, v in c.items()})
+    return out

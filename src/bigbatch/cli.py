@@ -1,4 +1,4 @@
-"""The ``bigbatch`` command line: ``bigbatch train`` (more subcommands to come).
+"""The ``bigbatch`` command line: ``train``, ``eval`` (and the data tools).
 
 Every option of :class:`bigbatch.train.TrainConfig` is a flag spelled with dashes
 (``--grad-cache-chunk``); ``--config file.yaml`` supplies values that flags override.
@@ -12,7 +12,8 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
-from .errors import BigBatchError
+from .data.formats import FORMATS, SWIFT_DOC_INSTRUCTION, SWIFT_QUERY_INSTRUCTION
+from .errors import BigBatchError, ConfigError
 
 __all__ = ["main", "build_parser"]
 
@@ -72,18 +73,83 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
                            help=f"{help_} (default {default})" if help_ else f"(default {default})")
 
 
+def _add_encoder_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--query-prefix", default=None, help="instruction before each query "
+                   "(default: what the model folder says)")
+    p.add_argument("--doc-prefix", default=None, help="text before each document")
+    p.add_argument("--pooling", choices=("mean", "cls", "last"), default=None)
+    p.add_argument("--max-length", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=64, help="texts embedded at once")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if present)")
+    p.add_argument("--cache-dir", default=None, help="corpus embedding cache (default "
+                   "$BIGBATCH_CACHE or ~/.cache/bigbatch)")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the cache")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bigbatch", description="Exact GradCache training "
                                      "of embedding models at batch sizes beyond memory.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train_flags(sub.add_parser("train", help="fine-tune a bi-encoder with GradCache",
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    va = sub.add_parser("validate", help="check training files; report every problem")
+    va.add_argument("files", nargs="+", help="JSONL/Parquet files or BEIR directories")
+    va.add_argument("--format", choices=FORMATS, default=None, help="default: detected")
+    va.add_argument("--split", default="train", help="qrels split for BEIR directories")
+
+    co = sub.add_parser("convert", help="convert between contrastors, ms-swift, "
+                        "sentence-transformers and BEIR formats")
+    co.add_argument("--from", dest="src_format", choices=FORMATS, default=None)
+    co.add_argument("--to", dest="dst_format", choices=FORMATS, required=True)
+    co.add_argument("input")
+    co.add_argument("output", help="a .jsonl/.parquet file, or a directory for beir")
+    co.add_argument("--split", default="train", help="qrels split read or written for BEIR")
+    co.add_argument("--allow-lossy", action="store_true", help="drop (and report) what the "
+                    "target format cannot hold instead of stopping")
+    co.add_argument("--query-instruction", default=SWIFT_QUERY_INSTRUCTION,
+                    help="system message of swift queries")
+    co.add_argument("--doc-instruction", default=SWIFT_DOC_INSTRUCTION,
+                    help="system message of swift documents")
+
+    mi = sub.add_parser("mine", help="mine hard negatives with faiss, filtering false negatives")
+    mi.add_argument("--model", required=True, help="model folder (base, final/, checkpoint)")
+    mi.add_argument("--data", required=True, help="BEIR directory (corpus, queries, qrels)")
+    mi.add_argument("--split", default="train")
+    mi.add_argument("--output", required=True, help="JSONL of records with negatives")
+    mi.add_argument("--num-negatives", type=int, default=8)
+    mi.add_argument("--rank-window", default="0:100", help="START:END ranks (after removing "
+                    "known positives) that negatives are taken from")
+    mi.add_argument("--max-score-ratio", type=float, default=0.95, help="drop candidates "
+                    "scoring above this fraction of the positive's score (<= 0: off)")
+    mi.add_argument("--margin", type=float, default=None, help="drop candidates within this "
+                    "margin of the positive's score")
+    mi.add_argument("--index", choices=("flat", "hnsw"), default="flat",
+                    help="flat: exact inner product; hnsw: approximate, for large corpora")
+    _add_encoder_flags(mi)
+
+    ev = sub.add_parser("eval", help="full-corpus retrieval metrics of one or more models")
+    ev.add_argument("--model", action="append", required=True,
+                    help="model folder (base, final/, checkpoint); repeat to compare")
+    ev.add_argument("--data", required=True, help="BEIR directory")
+    ev.add_argument("--split", default="test")
+    ev.add_argument("--unseen-from", default="train", help="also report queries whose "
+                    "relevant documents are not in this split's qrels ('' to skip)")
+    ev.add_argument("--output", default=None, help="write the results as JSON here")
+    _add_encoder_flags(ev)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "eval":
+            return _eval(args)
+        if args.command == "validate":
+            return _validate(args)
+        if args.command == "convert":
+            return _convert(args)
+        if args.command == "mine":
+            return _mine(args)
         if args.command == "train":
             from .train import load_config, train
 
@@ -96,6 +162,119 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bigbatch: error: {e}", file=sys.stderr)
         return 2
     return 1
+
+
+def _device(name: str | None) -> str:
+    import torch
+
+    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _cache_dir(args: argparse.Namespace):
+    from .data.corpus import default_cache_dir
+
+    return None if args.no_cache else (args.cache_dir or default_cache_dir())
+
+
+def _encoder_overrides(args: argparse.Namespace) -> dict:
+    return {"query_prefix": args.query_prefix, "doc_prefix": args.doc_prefix,
+            "pooling": args.pooling, "max_length": args.max_length}
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from .encoders import load_encoder
+    from .evaluate import evaluate_beir
+
+    device = _device(args.device)
+    results = []
+    for path in args.model:
+        encoder = load_encoder(path, **_encoder_overrides(args)).to(device)
+        metrics = evaluate_beir(encoder, args.data, args.split, batch_size=args.batch_size,
+                                device=device, unseen_from=args.unseen_from or None,
+                                cache_dir=_cache_dir(args))
+        results.append({"model": str(path), "data": str(args.data), "split": args.split,
+                        "metrics": metrics})
+    print(format_eval_table(results))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from .data.validate import validate_file
+
+    total_records, total_problems = 0, 0
+    for path in args.files:
+        n, problems = validate_file(path, args.format, args.split)
+        total_records += n
+        total_problems += len(problems)
+        for p in problems:
+            print(p)
+        print(f"{path}: {n} records, {len(problems)} problem(s)")
+    print(f"{'clean' if total_problems == 0 else 'NOT clean'}: {total_records} records in "
+          f"{len(args.files)} file(s), {total_problems} problem(s)")
+    return 0 if total_problems == 0 else 1
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .data.formats import read_records, write_records
+
+    records, problems = read_records(args.input, args.src_format, args.split)
+    if problems:
+        for p in problems[:20]:
+            print(p, file=sys.stderr)
+        raise ConfigError(f"{len(problems)} problem(s) in {args.input}; run `bigbatch validate` "
+                          f"and fix them first")
+    report = write_records(records, args.output, args.dst_format, allow_lossy=args.allow_lossy,
+                           query_instruction=args.query_instruction,
+                           doc_instruction=args.doc_instruction, split=args.split)
+    print(f"converted {len(records)} records -> {report['written']} written as "
+          f"{args.dst_format} to {args.output}" +
+          (f"; dropped {report['dropped']}: {'; '.join(report['dropped_reasons'])}"
+           if report["dropped"] else ""))
+    return 0
+
+
+def _mine(args: argparse.Namespace) -> int:
+    from .data.mining import MiningOptions, mine_hard_negatives
+    from .encoders import load_encoder
+
+    try:
+        start, end = (int(x) for x in args.rank_window.split(":"))
+    except ValueError as e:
+        raise ConfigError(f"--rank-window must be START:END, got {args.rank_window!r}") from e
+    ratio = args.max_score_ratio if args.max_score_ratio and args.max_score_ratio > 0 else None
+    opts = MiningOptions(num_negatives=args.num_negatives, rank_start=start, rank_end=end,
+                         max_score_ratio=ratio, margin=args.margin, index=args.index,
+                         batch_size=args.batch_size)
+    device = _device(args.device)
+    encoder = load_encoder(args.model, **_encoder_overrides(args)).to(device)
+    report = mine_hard_negatives(encoder, args.data, args.split, args.output, opts,
+                                 device=device, cache_dir=_cache_dir(args))
+    print("\n".join(report.lines()))
+    print(f"wrote {args.output} and {args.output}.report.json")
+    return 0
+
+
+def format_eval_table(results: list[dict]) -> str:
+    """One row per model (and per query subset): nDCG@10, R@1/5/10, MRR@10, similarities."""
+    keys = ("ndcg@10", "recall@1", "recall@5", "recall@10", "mrr@10", "pos_sim", "margin")
+    names = [str(r["model"]) for r in results]
+    width = max(12, *(min(len(n), 60) for n in names)) + 2
+    lines = [f"{'model':<{width}}{'queries':>9}" + "".join(f"{k:>11}" for k in keys)]
+    for prefix, label in (("", ""), ("unseen/", " [unseen]")):
+        for r in results:
+            m = r["metrics"]
+            if f"{prefix}ndcg@10" not in m:
+                continue
+            name = (str(r["model"])[-(width - 12):] + label)
+            lines.append(f"{name:<{width}}{int(m[prefix + 'queries']):>9}"
+                         + "".join(f"{m[prefix + k]:>11.4f}" for k in keys))
+    return "\n".join(lines)
 
 
 def _print_summary(summary: dict) -> None:

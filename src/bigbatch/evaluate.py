@@ -105,30 +105,35 @@ def unseen_query_ids(root: str | Path, split: str = "test", seen_split: str = "t
 
 def evaluate_beir(encoder: Any, root: str | Path, split: str = "test", batch_size: int = 64,
                   device: torch.device | str | None = None, unseen_from: str | None = "train",
-                  corpus_cache: dict | None = None, progress: bool = True,
-                  autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
-    """Embed the whole corpus and the split's queries with ``encoder`` (a
-    :class:`bigbatch.encoders.TextEncoder`) and return the metrics; with ``unseen_from``, the
-    same metrics on the queries whose relevant documents are not in that split's qrels are
-    added with the prefix ``unseen/``."""
-    from .data.beir import load_beir
+                  cache_dir: str | Path | None = None, progress: bool = True) -> dict[str, float]:
+    """Embed the whole corpus (streamed in blocks; cached in ``cache_dir`` when given) and the
+    split's queries with ``encoder`` (a :class:`bigbatch.encoders.TextEncoder`) and return the
+    metrics; with ``unseen_from``, the same metrics on the queries whose relevant documents
+    are not in that split's qrels are added with the prefix ``unseen/``."""
+    from .data.beir import load_qrels, load_queries
+    from .data.corpus import embed_corpus
 
-    data = load_beir(root, split)
-    doc_ids = list(data.corpus)
-    query_ids = list(data.queries)
-    doc_emb = encoder.encode([data.corpus[d] for d in doc_ids], kind="doc", batch_size=batch_size,
-                             device=device, progress="embed corpus" if progress else None,
-                             autocast_dtype=autocast_dtype)
-    query_emb = encoder.encode([data.queries[q] for q in query_ids], kind="query",
+    root = Path(root)
+    qrels = load_qrels(root / "qrels" / f"{split}.tsv")
+    queries = load_queries(root / "queries.jsonl", set(qrels))
+    doc_ids, doc_emb = embed_corpus(encoder, root / "corpus.jsonl", batch_size=batch_size,
+                                    device=device, cache_dir=cache_dir, progress=progress)
+    known = set(doc_ids)
+    missing = sorted({d for rel in qrels.values() for d in rel if d not in known})
+    if missing:
+        from .errors import DataError
+        raise DataError(f"{len(missing)} corpus ids of qrels/{split}.tsv are not in corpus.jsonl "
+                        f"(first: {missing[0]!r})", path=str(root / "corpus.jsonl"))
+    query_ids = list(queries)
+    query_emb = encoder.encode([queries[q] for q in query_ids], kind="query",
                                batch_size=batch_size, device=device,
-                               progress="embed queries" if progress else None,
-                               autocast_dtype=autocast_dtype)
-    out = evaluate_retrieval(query_emb, doc_emb, query_ids, doc_ids, data.qrels)
+                               progress="embed queries" if progress else None)
+    out = evaluate_retrieval(query_emb, doc_emb, query_ids, doc_ids, qrels)
     if unseen_from:
         unseen = set(unseen_query_ids(root, split, unseen_from))
         if unseen:
             idx = [i for i, q in enumerate(query_ids) if q in unseen]
             sub = evaluate_retrieval(query_emb[idx], doc_emb, [query_ids[i] for i in idx],
-                                     doc_ids, {q: data.qrels[q] for q in unseen})
+                                     doc_ids, {q: qrels[q] for q in unseen})
             out.update({f"unseen/{k}": v for k, v in sub.items()})
     return out

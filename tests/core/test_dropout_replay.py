@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import bigbatch as bb
-from helpers import DT, grads_of, max_rel_err, reference_step, token_batch, zero_grads
+from helpers import (DT, grads_of, max_rel_err, reference_step, token_batch, trimmed_chunks,
+                     zero_grads)
 
 
 class RecordingDropout(nn.Module):
@@ -39,16 +40,6 @@ class DropoutTower(nn.Module):
         m = attention_mask.unsqueeze(-1).to(h.dtype)
         pooled = (h * m).sum(1) / m.sum(1)
         return nn.functional.normalize(self.out(self.drop2(torch.tanh(self.lin(pooled)))), dim=-1)
-
-
-def chunks_of(batch, size):
-    n = batch["input_ids"].shape[0]
-    out = []
-    for lo in range(0, n, size):
-        c = {k: v[lo:lo + size] for k, v in batch.items()}
-        width = int(c["attention_mask"].sum(1).max())
-        out.append({k: v[:, :width] for k, v in c.items()})
-    return out
 
 
 def test_replayed_masks_are_bitwise_identical():
@@ -85,7 +76,7 @@ def test_gradient_equals_reference_with_same_masks(reuse_last_chunk):
     # so every chunk draws the masks the engine's first pass drew
     torch.manual_seed(7)
     zero_grads(tower, loss_fn)
-    chunked = {"query": chunks_of(inputs["query"], 3), "doc": chunks_of(inputs["doc"], 3)}
+    chunked = {"query": trimmed_chunks(inputs["query"], 3), "doc": trimmed_chunks(inputs["doc"], 3)}
     ref_loss = reference_step({"query": tower, "doc": tower}, loss_fn, inputs, chunked=chunked)
     assert max_rel_err(got, grads_of(tower, loss_fn)) <= 1e-10
     assert torch.allclose(result.loss, ref_loss, rtol=1e-12)
@@ -108,6 +99,6 @@ def test_replay_leaves_the_outer_random_stream_untouched():
     # the same first pass without replays consumes the same random numbers
     torch.manual_seed(3)
     with torch.no_grad():
-        for c in chunks_of(inputs["query"], 2) + chunks_of(inputs["doc"], 2):
+        for c in trimmed_chunks(inputs["query"], 2) + trimmed_chunks(inputs["doc"], 2):
             tower(**c)
     assert torch.equal(after_step, torch.rand(5))

@@ -20,19 +20,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import bigbatch as bb  # noqa: E402
 from bigbatch import distributed as D  # noqa: E402
-from helpers import DT, TokenTower, grads_of, max_rel_err, token_batch  # noqa: E402
+from helpers import (DT, TokenTower, grads_of, max_rel_err, token_batch,  # noqa: E402
+                     trimmed_chunks)
 
 CHUNK = 3
-
-
-def trimmed_chunks(batch, size):
-    n = batch["input_ids"].shape[0]
-    out = []
-    for lo in range(0, n, size):
-        c = {k: v[lo:lo + size] for k, v in batch.items()}
-        width = int(c["attention_mask"].sum(1).max())
-        out.append({k: v[:, :width] for k, v in c.items()})
-    return out
 
 
 def global_batch(sizes, k, seed=11):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ..errors import DataError
 
-__all__ = ["BeirData", "load_beir", "load_qrels", "beir_training_records", "doc_text"]
+__all__ = ["BeirData", "load_beir", "load_qrels", "load_queries", "beir_training_records",
+           "doc_text"]
 
 
 def doc_text(rec: dict) -> str:
@@ -68,6 +69,23 @@ def load_qrels(path: str | Path) -> dict[str, dict[str, int]]:
     return qrels
 
 
+def load_queries(path: str | Path, wanted: set[str] | None = None) -> dict[str, str]:
+    """``{query_id: text}`` from queries.jsonl, only ``wanted`` ids when given.
+
+    Raises:
+        DataError: a malformed line, or a wanted id that is missing.
+    """
+    path = Path(path)
+    queries = {str(r["_id"]): r["text"] for _, r in _read_jsonl(path, ("_id", "text"))
+               if wanted is None or str(r["_id"]) in wanted}
+    if wanted is not None:
+        missing = sorted(wanted - set(queries))
+        if missing:
+            raise DataError(f"{len(missing)} query ids of the qrels are not in queries.jsonl "
+                            f"(first: {missing[0]!r})", path=str(path))
+    return queries
+
+
 @dataclass
 class BeirData:
     """A loaded BEIR split: ``corpus`` {doc_id: "title text"}, ``queries`` {query_id: text}
@@ -96,14 +114,7 @@ def load_beir(root: str | Path, split: str = "test") -> BeirData:
         _CORPUS_CACHE[key] = {str(r["_id"]): doc_text(r)
                               for _, r in _read_jsonl(root / "corpus.jsonl", ("_id", "text"))}
     corpus = _CORPUS_CACHE[key]
-    queries = {}
-    for _, r in _read_jsonl(root / "queries.jsonl", ("_id", "text")):
-        if str(r["_id"]) in qrels:
-            queries[str(r["_id"])] = r["text"]
-    missing_q = [q for q in qrels if q not in queries]
-    if missing_q:
-        raise DataError(f"{len(missing_q)} query ids of qrels/{split}.tsv are not in "
-                        f"queries.jsonl (first: {missing_q[0]!r})", path=str(root / "queries.jsonl"))
+    queries = load_queries(root / "queries.jsonl", set(qrels))
     missing_d = sorted({d for rel in qrels.values() for d in rel if d not in corpus})
     if missing_d:
         raise DataError(f"{len(missing_d)} corpus ids of qrels/{split}.tsv are not in "

@@ -3,6 +3,7 @@
 Imports transformers and peft lazily, so ``import bigbatch`` stays light.
 """
 
+from .loading import load_encoder
 from .text import TextEncoder, default_lora_targets
 
-__all__ = ["TextEncoder", "default_lora_targets"]
+__all__ = ["TextEncoder", "default_lora_targets", "load_encoder"]

@@ -1,0 +1,114 @@
+"""Streaming a BEIR corpus and embedding it in batches, with embeddings cached on disk.
+
+The corpus file is read in blocks of ``block`` documents, each embedded and appended, so
+only embeddings (not texts) stay in memory. The cache key combines the model's files
+(names, sizes, modification times), the encoder's settings (pooling, prefixes, length) and
+the corpus file's identity, so a changed model or corpus is never served stale vectors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import DataError
+
+__all__ = ["iter_corpus", "corpus_texts", "embed_corpus", "default_cache_dir", "encoder_key"]
+
+
+def default_cache_dir() -> Path:
+    import os
+
+    return Path(os.environ.get("BIGBATCH_CACHE", Path.home() / ".cache" / "bigbatch"))
+
+
+def iter_corpus(path: str | Path, block: int = 4096) -> Iterator[list[tuple[str, str]]]:
+    """Yield blocks of (doc_id, "title text") from a corpus.jsonl, reading it lazily."""
+    from .beir import doc_text
+
+    path = Path(path)
+    if not path.exists():
+        raise DataError("corpus file not found", path=str(path))
+    buf: list[tuple[str, str]] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                buf.append((str(rec["_id"]), doc_text(rec)))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise DataError(f"bad corpus record ({e})", path=str(path), line=n) from e
+            if len(buf) == block:
+                yield buf
+                buf = []
+    if buf:
+        yield buf
+
+
+def corpus_texts(path: str | Path, ids: set[str]) -> dict[str, str]:
+    """Texts of just the documents ``ids`` (a second streaming pass)."""
+    out = {}
+    for block in iter_corpus(path):
+        out.update((d, t) for d, t in block if d in ids)
+    return out
+
+
+def _files_key(path: Path) -> list[Any]:
+    if not path.exists():
+        return [str(path)]
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return [(str(p.relative_to(path)) if path.is_dir() else p.name, p.stat().st_size,
+             p.stat().st_mtime_ns) for p in files]
+
+
+def encoder_key(encoder: Any) -> dict[str, Any]:
+    """What identifies an encoder's embeddings: its files and settings."""
+    name = Path(str(encoder.model_name))
+    base = getattr(getattr(encoder.model, "peft_config", {}).get("default", None),
+                   "base_model_name_or_path", None)
+    return {"model": str(name.resolve()) if name.exists() else str(name),
+            "files": _files_key(name), "base": _files_key(Path(base)) if base else None,
+            "pooling": encoder.pooling, "normalize": encoder.normalize,
+            "max_length": encoder.max_length, "query_prefix": encoder.query_prefix,
+            "doc_prefix": encoder.doc_prefix}
+
+
+def embed_corpus(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
+                 device: Any = None, cache_dir: str | Path | None = None, block: int = 4096,
+                 progress: bool = True) -> tuple[list[str], torch.Tensor]:
+    """(doc ids, float32 embeddings) of every document, from the cache when it is there."""
+    from .._progress import progress_bar
+
+    corpus_path = Path(corpus_path)
+    key = hashlib.sha256(json.dumps({"encoder": encoder_key(encoder),
+                                     "corpus": [str(corpus_path.resolve()),
+                                                _files_key(corpus_path)]},
+                                    sort_keys=True, default=str).encode()).hexdigest()[:24]
+    cache = Path(cache_dir) / "embeddings" / f"{key}.pt" if cache_dir else None
+    if cache is not None and cache.exists():
+        blob = torch.load(cache, weights_only=False)
+        return blob["ids"], blob["emb"]
+    ids: list[str] = []
+    parts: list[torch.Tensor] = []
+    bar = progress_bar(desc="embed corpus", unit="doc") if progress else None
+    for blk in iter_corpus(corpus_path, block):
+        ids.extend(d for d, _ in blk)
+        parts.append(encoder.encode([t for _, t in blk], kind="doc", batch_size=batch_size,
+                                    device=device))
+        if bar is not None:
+            bar.update(len(blk))
+    if bar is not None:
+        bar.close()
+    emb = torch.cat(parts) if parts else torch.empty(0, 0)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        torch.save({"ids": ids, "emb": emb}, tmp)
+        tmp.replace(cache)
+    return ids, emb

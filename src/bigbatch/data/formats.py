@@ -1,0 +1,433 @@
+"""Reading and writing the training-data formats of the field, through one record type.
+
+Formats (``--from`` / ``--to`` names):
+
+- ``contrastors``: the seed pipeline's JSONL. Documents as files,
+  ``{"query", "chunk_path", "neg_chunk_paths"}`` (page images or text files), or as text,
+  ``{"query", "positive", "negatives"}``.
+- ``swift``: ms-swift's embedding JSONL: ``messages`` (system instruction + user query),
+  ``positive_messages`` / ``negative_messages`` (one conversation per document, the user
+  turn holding the text or ``<image>``) with ``positive_images`` / ``negative_images``.
+- ``st``: sentence-transformers columns ``anchor``, ``positive``, ``negative_1..k``, as
+  JSONL (``.jsonl``) or Parquet (``.parquet``). Text only.
+- ``beir``: a BEIR directory (``corpus.jsonl``, ``queries.jsonl``, ``qrels/<split>.tsv``).
+  Text documents and (query, positive) pairs only.
+
+What a target format cannot hold (an image in ``st``, negatives in ``beir``) is never
+dropped silently: conversion stops with a report, or drops it and reports it when asked.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import DataError
+
+__all__ = ["Doc", "Record", "FORMATS", "read_records", "write_records", "detect_format",
+           "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION", "Problem"]
+
+# the seed's instructions (train_contrastors.py and convert_data_for_swift.py)
+SWIFT_QUERY_INSTRUCTION = "Retrieve images or text relevant to the user's query."
+SWIFT_DOC_INSTRUCTION = "Represent the user's input."
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+FORMATS = ("contrastors", "swift", "st", "beir")
+
+
+@dataclass(frozen=True)
+class Doc:
+    """A document: text, a text file, or an image (paths as written in the source)."""
+
+    text: str | None = None
+    image: str | None = None
+    path: str | None = None  # a text file (contrastors chunk_path that is not an image)
+    id: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return "image" if self.image else "file" if self.path else "text"
+
+
+@dataclass
+class Record:
+    query: str
+    positive: Doc
+    negatives: list[Doc] = field(default_factory=list)
+    query_id: str | None = None
+    line: int = 0
+    source: str = ""
+
+
+@dataclass
+class Problem:
+    """A finding: file, line, field, message (``str()`` gives ``file:line, field 'f': msg``)."""
+
+    path: str
+    line: int | None
+    field: str | None
+    message: str
+
+    def __str__(self) -> str:
+        return str(DataError(self.message, path=self.path, line=self.line, field=self.field))
+
+
+def _is_image(p: str) -> bool:
+    return Path(p).suffix.lower() in IMAGE_SUFFIXES
+
+
+def detect_format(path: str | Path) -> str:
+    """Guess the format from a directory (BEIR), a .parquet file (st) or the first record's keys."""
+    path = Path(path)
+    if path.is_dir():
+        return "beir"
+    if path.suffix == ".parquet":
+        return "st"
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    keys = set(json.loads(line))
+                except (json.JSONDecodeError, TypeError):
+                    break
+                if "messages" in keys:
+                    return "swift"
+                if "anchor" in keys:
+                    return "st"
+                return "contrastors"
+    raise DataError("cannot tell the format (empty or malformed first line); pass --format",
+                    path=str(path))
+
+
+# ------------------------------------------------------------------ reading
+def _jsonl(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                problems.append(Problem(str(path), n, None, f"malformed JSON ({e.msg})"))
+                continue
+            if not isinstance(rec, dict):
+                problems.append(Problem(str(path), n, None, "expected a JSON object"))
+                continue
+            yield n, rec
+
+
+def _text(rec: dict, key: str, where: tuple[str, int], problems: list[Problem],
+          required: bool = True) -> str | None:
+    v = rec.get(key)
+    if v is None:
+        if required:
+            problems.append(Problem(where[0], where[1], key, "missing"))
+        return None
+    if not isinstance(v, str) or not v.strip():
+        problems.append(Problem(where[0], where[1], key, "must be non-empty text"))
+        return None
+    return v
+
+
+def _contrastors_doc(v: Any, key: str, where: tuple[str, int], problems: list[Problem],
+                     as_path: bool) -> Doc | None:
+    if not isinstance(v, str) or not v.strip():
+        problems.append(Problem(where[0], where[1], key, "must be non-empty " +
+                                ("path" if as_path else "text")))
+        return None
+    if not as_path:
+        return Doc(text=v)
+    return Doc(image=v) if _is_image(v) else Doc(path=v)
+
+
+def _read_contrastors(path: Path, problems: list[Problem]) -> list[Record]:
+    out = []
+    for n, rec in _jsonl(path, problems):
+        w = (str(path), n)
+        q = _text(rec, "query", w, problems)
+        if "chunk_path" in rec:
+            pos = _contrastors_doc(rec["chunk_path"], "chunk_path", w, problems, True)
+        elif "positive" in rec:
+            pos = _contrastors_doc(rec["positive"], "positive", w, problems, False)
+        else:
+            problems.append(Problem(str(path), n, "positive", "missing positive: give "
+                                    "'positive' text or 'chunk_path'"))
+            pos = None
+        negs: list[Doc] = []
+        for key, as_path in (("neg_chunk_paths", True), ("negatives", False)):
+            if key not in rec:
+                continue
+            if not isinstance(rec[key], list):
+                problems.append(Problem(str(path), n, key, "must be a list"))
+                continue
+            for i, v in enumerate(rec[key]):
+                d = _contrastors_doc(v, f"{key}[{i}]", w, problems, as_path)
+                if d is not None:
+                    negs.append(d)
+        if q is not None and pos is not None:
+            qid = rec.get("query_id")
+            pid = rec.get("positive_id")
+            nids = rec.get("negative_ids") or [None] * len(negs)
+            if pid is not None:
+                pos = Doc(pos.text, pos.image, pos.path, str(pid))
+            negs = [Doc(d.text, d.image, d.path, None if i is None else str(i))
+                    for d, i in zip(negs, nids)] if len(nids) == len(negs) else negs
+            out.append(Record(q, pos, negs, None if qid is None else str(qid), n, str(path)))
+    return out
+
+
+def _swift_doc(conv: Any, images: Any, key: str, where: tuple[str, int],
+               problems: list[Problem]) -> Doc | None:
+    if not isinstance(conv, list):
+        problems.append(Problem(where[0], where[1], key, "must be a list of messages"))
+        return None
+    user = [m for m in conv if isinstance(m, dict) and m.get("role") == "user"]
+    if len(user) != 1 or not isinstance(user[0].get("content"), str):
+        problems.append(Problem(where[0], where[1], key, "needs exactly one user message"))
+        return None
+    content = user[0]["content"]
+    if content.strip() == "<image>":
+        if not (isinstance(images, list) and len(images) == 1 and isinstance(images[0], str)):
+            problems.append(Problem(where[0], where[1], key.replace("messages", "images"),
+                                    "an <image> document needs exactly one image path"))
+            return None
+        return Doc(image=images[0])
+    if not content.strip():
+        problems.append(Problem(where[0], where[1], key, "empty document text"))
+        return None
+    return Doc(text=content)
+
+
+def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
+    out = []
+    for n, rec in _jsonl(path, problems):
+        w = (str(path), n)
+        msgs = rec.get("messages")
+        query = None
+        if not isinstance(msgs, list):
+            problems.append(Problem(str(path), n, "messages", "missing or not a list"))
+        else:
+            user = [m for m in msgs if isinstance(m, dict) and m.get("role") == "user"]
+            if len(user) != 1 or not isinstance(user[0].get("content"), str) \
+                    or not user[0]["content"].strip():
+                problems.append(Problem(str(path), n, "messages", "needs one non-empty user "
+                                        "message (the query)"))
+            else:
+                query = user[0]["content"]
+        pos_convs = rec.get("positive_messages")
+        pos = None
+        if not isinstance(pos_convs, list) or len(pos_convs) != 1:
+            problems.append(Problem(str(path), n, "positive_messages", "must hold exactly one "
+                                    "conversation"))
+        else:
+            imgs = (rec.get("positive_images") or [[]])[0]
+            pos = _swift_doc(pos_convs[0], imgs, "positive_messages[0]", w, problems)
+        negs = []
+        neg_convs = rec.get("negative_messages") or []
+        neg_imgs = rec.get("negative_images") or [[] for _ in neg_convs]
+        if len(neg_imgs) != len(neg_convs):
+            problems.append(Problem(str(path), n, "negative_images", "one list per negative "
+                                    "conversation"))
+        else:
+            for i, (c, im) in enumerate(zip(neg_convs, neg_imgs)):
+                d = _swift_doc(c, im, f"negative_messages[{i}]", w, problems)
+                if d is not None:
+                    negs.append(d)
+        if query is not None and pos is not None:
+            out.append(Record(query, pos, negs, rec.get("query_id"), n, str(path)))
+    return out
+
+
+def _st_rows(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for n, row in enumerate(pq.read_table(path).to_pylist(), 1):
+            yield n, row
+    else:
+        yield from _jsonl(path, problems)
+
+
+def _read_st(path: Path, problems: list[Problem]) -> list[Record]:
+    out = []
+    for n, rec in _st_rows(path, problems):
+        w = (str(path), n)
+        q = _text(rec, "anchor", w, problems)
+        p = _text(rec, "positive", w, problems)
+        negs = []
+        i = 1
+        while f"negative_{i}" in rec or (i == 1 and "negative" in rec):
+            key = f"negative_{i}" if f"negative_{i}" in rec else "negative"
+            t = _text(rec, key, w, problems)
+            if t is not None:
+                negs.append(Doc(text=t))
+            i += 1
+        if q is not None and p is not None:
+            out.append(Record(q, Doc(text=p), negs, None, n, str(path)))
+    return out
+
+
+def _read_beir(path: Path, problems: list[Problem], split: str) -> list[Record]:
+    from .beir import load_beir
+
+    data = load_beir(path, split)
+    out = []
+    for qid, rels in data.qrels.items():
+        for did, score in rels.items():
+            if score > 0:
+                out.append(Record(data.queries[qid], Doc(text=data.corpus[did], id=did), [], qid,
+                                  0, str(path)))
+    return out
+
+
+def read_records(path: str | Path, fmt: str | None = None, split: str = "train"
+                 ) -> tuple[list[Record], list[Problem]]:
+    """Records of ``path`` in format ``fmt`` (detected when None) and the problems found."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError("not found", path=str(path))
+    fmt = fmt or detect_format(path)
+    problems: list[Problem] = []
+    if fmt == "contrastors":
+        recs = _read_contrastors(path, problems)
+    elif fmt == "swift":
+        recs = _read_swift(path, problems)
+    elif fmt == "st":
+        recs = _read_st(path, problems)
+    elif fmt == "beir":
+        recs = _read_beir(path, problems, split)
+    else:
+        raise DataError(f"unknown format {fmt!r}; choose one of {FORMATS}")
+    return recs, problems
+
+
+# ------------------------------------------------------------------ writing
+def _lossy(records: list[Record], fmt: str) -> list[tuple[Record, str]]:
+    """What ``fmt`` cannot hold, per record."""
+    out = []
+    for r in records:
+        docs = [r.positive, *r.negatives]
+        if fmt in ("st", "beir") and any(d.kind != "text" for d in docs):
+            out.append((r, f"{fmt} holds text documents only (this record has "
+                           f"{', '.join(sorted({d.kind for d in docs if d.kind != 'text'}))})"))
+        elif fmt == "beir" and r.negatives:
+            out.append((r, f"beir holds no negatives ({len(r.negatives)} here)"))
+        elif fmt == "contrastors" and len({d.kind == 'text' for d in docs}) > 1:
+            out.append((r, "contrastors keeps a record's documents all as files or all as text"))
+        elif fmt == "swift" and any(d.kind == "file" for d in docs):
+            out.append((r, "swift holds text or images; read text files into text first"))
+    return out
+
+
+def _doc_json_contrastors(d: Doc) -> str:
+    return d.image or d.path or d.text or ""
+
+
+def _swift_conv(d: Doc, instruction: str) -> tuple[list[dict], list[str]]:
+    content = "<image>" if d.image else d.text
+    return ([{"role": "system", "content": instruction}, {"role": "user", "content": content}],
+            [d.image] if d.image else [])
+
+
+def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_lossy: bool = False,
+                  query_instruction: str = SWIFT_QUERY_INSTRUCTION,
+                  doc_instruction: str = SWIFT_DOC_INSTRUCTION,
+                  split: str = "train") -> dict[str, Any]:
+    """Write ``records`` as ``fmt``; returns a report. What ``fmt`` cannot hold raises
+    :class:`DataError` listing the records, unless ``allow_lossy`` (then it is dropped and
+    counted in the report)."""
+    out = Path(out)
+    lossy = _lossy(records, fmt)
+    if lossy and not allow_lossy:
+        shown = "\n  ".join(f"{r.source}:{r.line}: {why}" for r, why in lossy[:10])
+        raise DataError(f"{len(lossy)} record(s) cannot be written as {fmt} without loss:\n  "
+                        f"{shown}\nconvert to another format, or pass --allow-lossy to drop "
+                        f"them (they are counted in the report)")
+    dropped = {id(r) for r, _ in lossy}
+    keep = [r for r in records if id(r) not in dropped]
+    report = {"format": fmt, "written": len(keep), "dropped": len(lossy),
+              "dropped_reasons": sorted({why for _, why in lossy})}
+    if fmt == "beir":
+        _write_beir(keep, out, split)
+        return report
+    if fmt == "st" and out.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        k = max((len(r.negatives) for r in keep), default=0)
+        if any(len(r.negatives) != k for r in keep):
+            raise DataError("sentence-transformers columns need the same number of negatives "
+                            "in every record", path=str(out))
+        cols: dict[str, list] = {"anchor": [r.query for r in keep],
+                                 "positive": [r.positive.text for r in keep]}
+        for i in range(k):
+            cols[f"negative_{i + 1}"] = [r.negatives[i].text for r in keep]
+        pq.write_table(pa.table(cols), out)
+        return report
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        for r in keep:
+            f.write(json.dumps(_to_json(r, fmt, query_instruction, doc_instruction),
+                               ensure_ascii=False) + "\n")
+    return report
+
+
+def _to_json(r: Record, fmt: str, qi: str, di: str) -> dict[str, Any]:
+    if fmt == "contrastors":
+        as_files = r.positive.kind != "text"
+        rec: dict[str, Any] = {"query": r.query}
+        if as_files:
+            rec["chunk_path"] = _doc_json_contrastors(r.positive)
+            rec["neg_chunk_paths"] = [_doc_json_contrastors(d) for d in r.negatives]
+        else:
+            rec["positive"] = r.positive.text
+            rec["negatives"] = [d.text for d in r.negatives]
+        if r.query_id is not None:
+            rec["query_id"] = r.query_id
+        if r.positive.id is not None:
+            rec["positive_id"] = r.positive.id
+        if r.negatives and all(d.id is not None for d in r.negatives):
+            rec["negative_ids"] = [d.id for d in r.negatives]
+        return rec
+    if fmt == "swift":
+        pm, pi = _swift_conv(r.positive, di)
+        negs = [_swift_conv(d, di) for d in r.negatives]
+        rec = {"messages": [{"role": "system", "content": qi}, {"role": "user", "content": r.query}],
+               "positive_messages": [pm], "negative_messages": [m for m, _ in negs]}
+        if r.positive.image or any(d.image for d in r.negatives):
+            rec["positive_images"] = [pi]
+            rec["negative_images"] = [i for _, i in negs]
+        return rec
+    if fmt == "st":
+        rec = {"anchor": r.query, "positive": r.positive.text}
+        rec.update({f"negative_{i + 1}": d.text for i, d in enumerate(r.negatives)})
+        return rec
+    raise DataError(f"unknown format {fmt!r}; choose one of {FORMATS}")
+
+
+def _write_beir(records: list[Record], out: Path, split: str) -> None:
+    from .records import text_id
+
+    (out / "qrels").mkdir(parents=True, exist_ok=True)
+    corpus: dict[str, str] = {}
+    queries: dict[str, str] = {}
+    qrels: list[tuple[str, str]] = []
+    for r in records:
+        qid = r.query_id or "q" + text_id(r.query)
+        did = r.positive.id or "d" + text_id(r.positive.text or "")
+        queries[qid] = r.query
+        corpus[did] = r.positive.text or ""
+        qrels.append((qid, did))
+    with open(out / "corpus.jsonl", "w", encoding="utf-8") as f:
+        for did, text in corpus.items():
+            f.write(json.dumps({"_id": did, "title": "", "text": text}, ensure_ascii=False) + "\n")
+    with open(out / "queries.jsonl", "w", encoding="utf-8") as f:
+        for qid, text in queries.items():
+            f.write(json.dumps({"_id": qid, "text": text}, ensure_ascii=False) + "\n")
+    with open(out / "qrels" / f"{split}.tsv", "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f, delimiter="\t")
+        w.writerow(["query-id", "corpus-id", "score"])
+        w.writerows((q, d, 1) for q, d in dict.fromkeys(qrels))

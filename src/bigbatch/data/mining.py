@@ -1,0 +1,176 @@
+"""``bigbatch mine``: hard negatives from a corpus, with positive-aware false-negative
+filtering (NV-Retriever, Moreira et al. 2024).
+
+1. Embed the corpus (streamed, cached) and the queries; L2-normalise both, so inner
+   product is cosine similarity whatever the model's own normalisation (an unnormalised
+   inner-product search is the classic way FAISS mining goes wrong).
+2. Search with faiss-cpu: exact inner product (``IndexFlatIP``) by default, HNSW for large
+   corpora (``index="hnsw"``).
+3. For each (query, positive) pair: remove every known positive of the query from the
+   ranking, keep the candidates at ranks ``[rank_start, rank_end)`` of what remains, and
+   drop likely false negatives: a candidate scoring above ``max_score_ratio`` times the
+   positive's score (TopK-PercPos), or within ``margin`` of it (TopK-MarginPos).
+4. Take the first ``num_negatives`` survivors; the search widens until they are found or
+   the window is exhausted.
+
+Writes training records (contrastors text JSONL with ids) and a report of candidates seen,
+dropped as positives, dropped as false negatives, and records left short.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+__all__ = ["MiningOptions", "MiningReport", "mine_hard_negatives"]
+
+
+@dataclass
+class MiningOptions:
+    num_negatives: int = 8
+    rank_start: int = 0
+    rank_end: int = 100
+    max_score_ratio: float | None = 0.95
+    margin: float | None = None
+    index: str = "flat"
+    batch_size: int = 64
+
+    def validate(self) -> "MiningOptions":
+        if self.num_negatives <= 0:
+            raise ConfigError(f"--num-negatives must be > 0, got {self.num_negatives}")
+        if not 0 <= self.rank_start < self.rank_end:
+            raise ConfigError(f"--rank-window must satisfy 0 <= start < end, got "
+                              f"{self.rank_start}:{self.rank_end}")
+        if self.rank_end - self.rank_start < self.num_negatives:
+            raise ConfigError(f"--rank-window {self.rank_start}:{self.rank_end} holds fewer than "
+                              f"--num-negatives {self.num_negatives} candidates")
+        if self.max_score_ratio is not None and not 0 < self.max_score_ratio:
+            raise ConfigError(f"--max-score-ratio must be > 0, got {self.max_score_ratio}")
+        if self.index not in ("flat", "hnsw"):
+            raise ConfigError(f"--index must be 'flat' or 'hnsw', got {self.index!r}")
+        return self
+
+
+@dataclass
+class MiningReport:
+    queries: int = 0
+    records: int = 0
+    candidates_seen: int = 0
+    dropped_as_positive: int = 0
+    dropped_as_false_negative: int = 0
+    short_records: int = 0
+    negatives_written: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        return [f"queries: {self.queries}", f"records written: {self.records}",
+                f"candidates seen: {self.candidates_seen}",
+                f"dropped as known positives: {self.dropped_as_positive}",
+                f"dropped as likely false negatives: {self.dropped_as_false_negative}",
+                f"negatives written: {self.negatives_written}",
+                f"records with fewer than {self.options.get('num_negatives')} negatives: "
+                f"{self.short_records}"]
+
+
+def _index(emb: torch.Tensor, kind: str) -> Any:
+    import faiss
+
+    d = emb.shape[1]
+    if kind == "hnsw":
+        index = faiss.IndexHNSWFlat(d, 32, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efSearch = 256
+    else:
+        index = faiss.IndexFlatIP(d)
+    index.add(emb.numpy().astype("float32"))
+    return index
+
+
+def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | Path,
+                        options: MiningOptions, *, device: Any = None,
+                        cache_dir: str | Path | None = None, progress: bool = True) -> MiningReport:
+    """Mine negatives for every (query, positive) of ``qrels/<split>.tsv`` in a BEIR directory
+    and write them to ``out`` (JSONL); returns the report (also written as ``out``.report.json)."""
+    from .._progress import progress_bar
+    from .beir import load_qrels, load_queries
+    from .corpus import corpus_texts, embed_corpus
+
+    options.validate()
+    root = Path(root)
+    qrels = {q: {d: s for d, s in rel.items() if s > 0}
+             for q, rel in load_qrels(root / "qrels" / f"{split}.tsv").items()}
+    qrels = {q: rel for q, rel in qrels.items() if rel}
+    queries = load_queries(root / "queries.jsonl", set(qrels))
+    doc_ids, doc_emb = embed_corpus(encoder, root / "corpus.jsonl", batch_size=options.batch_size,
+                                    device=device, cache_dir=cache_dir, progress=progress)
+    doc_emb = torch.nn.functional.normalize(doc_emb.float(), dim=-1)
+    row = {d: i for i, d in enumerate(doc_ids)}
+    qids = list(queries)
+    q_emb = torch.nn.functional.normalize(encoder.encode(
+        [queries[q] for q in qids], kind="query", batch_size=options.batch_size, device=device,
+        progress="embed queries" if progress else None).float(), dim=-1)
+    index = _index(doc_emb, options.index)
+    report = MiningReport(queries=len(qids), options=asdict(options))
+    chosen: list[tuple[str, str, list[str]]] = []  # (query id, positive id, negative ids)
+    n_docs = len(doc_ids)
+    bar = progress_bar(total=len(qids), desc="mine", unit="query") if progress else None
+    for qi, qid in enumerate(qids):
+        positives = qrels[qid]
+        depth = min(n_docs, options.rank_end + len(positives))
+        while True:
+            scores, idx = index.search(q_emb[qi:qi + 1].numpy(), depth)
+            ranked = [(doc_ids[j], float(s)) for j, s in zip(idx[0], scores[0]) if j >= 0]
+            non_pos = [(d, s) for d, s in ranked if d not in positives]
+            window = non_pos[options.rank_start:options.rank_end]
+            enough = len(window) >= options.rank_end - options.rank_start
+            if enough or depth >= n_docs:
+                break
+            depth = min(n_docs, depth * 2)
+        # known positives met in the part of the ranking that was examined
+        examined = len(ranked)
+        if window:
+            last = window[-1][0]
+            examined = next(i for i, (d, _) in enumerate(ranked) if d == last) + 1
+        report.dropped_as_positive += sum(1 for d, _ in ranked[:examined] if d in positives)
+        for pid in sorted(positives):
+            if pid not in row:
+                continue
+            pos_score = float(q_emb[qi] @ doc_emb[row[pid]])
+            negs = []
+            for d, s in window:
+                report.candidates_seen += 1
+                too_close = ((options.max_score_ratio is not None
+                              and s > options.max_score_ratio * pos_score)
+                             or (options.margin is not None and s > pos_score - options.margin))
+                if too_close:
+                    report.dropped_as_false_negative += 1
+                    continue
+                negs.append(d)
+                if len(negs) == options.num_negatives:
+                    break
+            if len(negs) < options.num_negatives:
+                report.short_records += 1
+            chosen.append((qid, pid, negs))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    texts = corpus_texts(root / "corpus.jsonl",
+                         {d for _, p, n in chosen for d in [p, *n]})
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        for qid, pid, negs in chosen:
+            f.write(json.dumps({"query": queries[qid], "positive": texts[pid],
+                                "negatives": [texts[d] for d in negs], "query_id": qid,
+                                "positive_id": pid, "negative_ids": negs},
+                               ensure_ascii=False) + "\n")
+            report.records += 1
+            report.negatives_written += len(negs)
+    Path(str(out) + ".report.json").write_text(json.dumps(asdict(report), indent=2))
+    return report

@@ -1,0 +1,75 @@
+"""Load an encoder from what users have on disk: a bigbatch ``final/`` (weights or a LoRA
+adapter), a checkpoint directory (its ``model/``), a sentence-transformers folder (pooling,
+normalisation and prompts read from its config files), or a plain transformers model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .text import TextEncoder
+
+__all__ = ["load_encoder"]
+
+
+def _st_settings(path: Path) -> dict[str, Any]:
+    """Pooling, normalisation, max length and prompts from a sentence-transformers folder."""
+    out: dict[str, Any] = {}
+    pool = path / "1_Pooling" / "config.json"
+    if pool.exists():
+        cfg = json.loads(pool.read_text())
+        if cfg.get("pooling_mode_cls_token"):
+            out["pooling"] = "cls"
+        elif cfg.get("pooling_mode_lasttoken"):
+            out["pooling"] = "last"
+        else:
+            out["pooling"] = "mean"
+    modules = path / "modules.json"
+    if modules.exists():
+        out["normalize"] = any("Normalize" in m.get("type", "")
+                               for m in json.loads(modules.read_text()))
+    sbc = path / "sentence_bert_config.json"
+    if sbc.exists():
+        out["max_length"] = int(json.loads(sbc.read_text()).get("max_seq_length", 256))
+    prompts = path / "config_sentence_transformers.json"
+    if prompts.exists():
+        p = json.loads(prompts.read_text()).get("prompts") or {}
+        out["query_prefix"] = p.get("query", "")
+        out["doc_prefix"] = p.get("document", p.get("passage", ""))
+    return out
+
+
+def load_encoder(path: str | Path, **overrides: Any) -> TextEncoder:
+    """A :class:`TextEncoder` for ``path``; keyword overrides (pooling, max_length,
+    query_prefix, doc_prefix, normalize) win over what the folder says.
+
+    Raises:
+        ConfigError: the path does not exist or holds no model.
+    """
+    path = Path(path)
+    if (path / "model").is_dir() and (path / "trainer_state.pt").exists():
+        path = path / "model"  # a checkpoint directory
+    if not path.exists():
+        raise ConfigError(f"--model: {path} does not exist")
+    settings = _st_settings(path)
+    meta_file = path / "bigbatch_encoder.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    for key in ("pooling", "normalize", "max_length", "query_prefix", "doc_prefix"):
+        if key in meta:
+            settings[key] = meta[key]
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    if meta.get("lora") or (path / "adapter_config.json").exists():
+        from peft import PeftModel
+
+        base = meta.get("base_model") or json.loads(
+            (path / "adapter_config.json").read_text())["base_model_name_or_path"]
+        enc = TextEncoder(base, **settings)
+        enc.model = PeftModel.from_pretrained(enc.model, str(path))
+        enc.lora_r = enc.model.peft_config["default"].r
+        enc.model_name = str(path)
+        return enc
+    if not (path / "config.json").exists():
+        raise ConfigError(f"--model: {path} holds no transformers model (no config.json)")
+    return TextEncoder(path, **settings)
