@@ -86,11 +86,13 @@ def embed_corpus(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
     from .._progress import progress_bar
 
     corpus_path = Path(corpus_path)
-    key = hashlib.sha256(json.dumps({"encoder": encoder_key(encoder),
-                                     "corpus": [str(corpus_path.resolve()),
-                                                _files_key(corpus_path)]},
-                                    sort_keys=True, default=str).encode()).hexdigest()[:24]
-    cache = Path(cache_dir) / "embeddings" / f"{key}.pt" if cache_dir else None
+    cache = None
+    if cache_dir:
+        key = hashlib.sha256(json.dumps({"encoder": encoder_key(encoder),
+                                         "corpus": [str(corpus_path.resolve()),
+                                                    _files_key(corpus_path)]},
+                                        sort_keys=True, default=str).encode()).hexdigest()[:24]
+        cache = Path(cache_dir) / "embeddings" / f"{key}.pt"
     if cache is not None and cache.exists():
         blob = torch.load(cache, weights_only=False)
         return blob["ids"], blob["emb"]

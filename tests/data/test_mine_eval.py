@@ -1,0 +1,174 @@
+"""bigbatch mine (rank window, positives never negatives, positive-aware false-negative rule,
+several positives per query) and bigbatch eval (slice in the default suite, the published
+SciFact figure in a slow test)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bigbatch.cli import main
+from bigbatch.data.mining import MiningOptions, mine_hard_negatives
+from bigbatch.errors import ConfigError
+
+
+class StubEncoder:
+    """Embeds each text as a fixed 2-D direction: a query looks along the x axis and document
+    'd{i}' sits at the angle that gives it cosine similarity ``score[i]`` with it."""
+
+    def __init__(self, scores: dict[str, float]) -> None:
+        self.scores = scores
+
+    def encode(self, texts, kind="doc", **kw):
+        out = []
+        for t in texts:
+            if kind == "query":
+                out.append([1.0, 0.0])
+            else:
+                s = self.scores[t]
+                out.append([s, (1 - s * s) ** 0.5])
+        return torch.tensor(out)
+
+
+def beir_dir(root: Path, docs: dict[str, str], queries: dict[str, str], qrels) -> Path:
+    (root / "qrels").mkdir(parents=True)
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"_id": d, "title": "", "text": t}) + "\n"
+                                               for d, t in docs.items()))
+    (root / "queries.jsonl").write_text("".join(json.dumps({"_id": q, "text": t}) + "\n"
+                                                for q, t in queries.items()))
+    with open(root / "qrels" / "train.tsv", "w", newline="") as f:
+        w = csv.writer(f, delimiter="\t")
+        w.writerow(["query-id", "corpus-id", "score"])
+        w.writerows(qrels)
+    return root
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    # 20 documents with decreasing similarity to the query; d0 and d3 are its positives
+    scores = {f"text {i}": 0.99 - 0.04 * i for i in range(20)}
+    docs = {f"d{i}": f"text {i}" for i in range(20)}
+    root = beir_dir(tmp_path / "beir", docs, {"q": "the query"}, [("q", "d0", 1), ("q", "d3", 1)])
+    return root, StubEncoder(scores)
+
+
+def mine(corpus, tmp_path, **kw):
+    root, enc = corpus
+    out = tmp_path / "hn.jsonl"
+    report = mine_hard_negatives(enc, root, "train", out, MiningOptions(**kw), progress=False)
+    return [json.loads(l) for l in out.read_text().splitlines()], report
+
+
+def test_positives_never_negatives_and_rank_window(corpus, tmp_path):
+    recs, report = mine(corpus, tmp_path, num_negatives=3, rank_start=2, rank_end=10,
+                        max_score_ratio=None)
+    assert len(recs) == 2                                # one record per positive
+    for r in recs:
+        assert not {"d0", "d3"} & set(r["negative_ids"])
+        # non-positive ranking is d1 d2 d4 d5 d6 ...; window [2, 10) starts at d4
+        assert r["negative_ids"] == ["d4", "d5", "d6"]
+    assert report.dropped_as_positive == 2 and report.short_records == 0
+
+
+def test_positive_aware_false_negative_rule(corpus, tmp_path):
+    # positive d0 scores 0.99, d3 scores 0.87; ratio 0.9 drops candidates above 0.9 * score
+    recs, report = mine(corpus, tmp_path, num_negatives=4, rank_start=0, rank_end=15,
+                        max_score_ratio=0.9)
+    by_pos = {r["positive_id"]: r["negative_ids"] for r in recs}
+    score = {f"d{i}": 0.99 - 0.04 * i for i in range(20)}
+    assert all(score[d] <= 0.9 * 0.99 for d in by_pos["d0"])
+    assert all(score[d] <= 0.9 * 0.87 for d in by_pos["d3"])
+    assert by_pos["d0"] == ["d4", "d5", "d6", "d7"]      # d1 (0.95), d2 (0.91) dropped
+    assert by_pos["d3"][0] == "d6"      # 0.9 * 0.87 = 0.783: d5 (0.79) dropped, d6 (0.75) kept
+    assert report.dropped_as_false_negative > 0
+    recs, _ = mine(corpus, tmp_path, num_negatives=2, rank_start=0, rank_end=10,
+                   max_score_ratio=None, margin=0.1)
+    assert {r["positive_id"]: r["negative_ids"] for r in recs}["d3"] == ["d6", "d7"]
+
+
+def test_queries_with_several_positives_get_the_requested_count(corpus, tmp_path):
+    recs, report = mine(corpus, tmp_path, num_negatives=8, rank_start=0, rank_end=8,
+                        max_score_ratio=None)
+    assert [len(r["negatives"]) for r in recs] == [8, 8]
+    assert report.negatives_written == 16
+    assert recs[0]["positive"] == "text 0" and recs[0]["negatives"][0] == "text 1"
+
+
+def test_mining_options_are_checked():
+    with pytest.raises(ConfigError, match="rank-window"):
+        MiningOptions(num_negatives=5, rank_start=0, rank_end=3).validate()
+    with pytest.raises(ConfigError, match="index"):
+        MiningOptions(index="ivf").validate()
+
+
+@pytest.fixture(scope="module")
+def sf_slice(tmp_path_factory):
+    from pipeline_helpers import scifact_slice
+    return scifact_slice(tmp_path_factory.mktemp("sf") / "sf", n_train=40, n_test=30,
+                         n_extra_docs=200)
+
+
+def test_mine_command_on_scifact_slice_with_real_model(sf_slice, tmp_path, capsys):
+    from pipeline_helpers import minilm_path
+    out = tmp_path / "hn.jsonl"
+    rc = main(["mine", "--model", str(minilm_path()), "--data", str(sf_slice), "--output",
+               str(out), "--num-negatives", "4", "--rank-window", "0:30",
+               "--cache-dir", str(tmp_path / "cache")])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "candidates seen:" in printed and "dropped as likely false negatives:" in printed
+    qrels = {}
+    with open(sf_slice / "qrels" / "train.tsv") as f:
+        for q, d, _ in list(csv.reader(f, delimiter="\t"))[1:]:
+            qrels.setdefault(q, set()).add(d)
+    report = json.loads(Path(str(out) + ".report.json").read_text())
+    short = 0
+    for line in out.read_text().splitlines():
+        r = json.loads(line)
+        assert not qrels[r["query_id"]] & set(r["negative_ids"])
+        assert len(r["negatives"]) <= 4
+        short += len(r["negatives"]) < 4  # a weak positive: the window held too few below it
+    assert short == report["short_records"] < report["records"]
+    assert report["records"] == sum(len(v) for v in qrels.values())
+    assert list((tmp_path / "cache" / "embeddings").glob("*.pt"))  # corpus embeddings cached
+
+
+def test_eval_command_on_200_document_slice(sf_slice, tmp_path, capsys):
+    from sentence_transformers import SentenceTransformer
+
+    from bigbatch.data.beir import load_beir
+    from bigbatch.evaluate import evaluate_retrieval
+    from pipeline_helpers import minilm_path
+    out = tmp_path / "eval.json"
+    rc = main(["eval", "--model", str(minilm_path()), "--data", str(sf_slice), "--split", "test",
+               "--output", str(out), "--no-cache"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "ndcg@10" in printed and "[unseen]" in printed
+    ours = json.loads(out.read_text())[0]["metrics"]
+    # an independent embedding path: sentence-transformers' own encode of the same model
+    st = SentenceTransformer(str(minilm_path()), device="cpu")
+    st.max_seq_length = 256
+    data = load_beir(sf_slice, "test")
+    dids, qids = list(data.corpus), list(data.queries)
+    ref = evaluate_retrieval(torch.tensor(st.encode([data.queries[q] for q in qids])),
+                             torch.tensor(st.encode([data.corpus[d] for d in dids])),
+                             qids, dids, data.qrels)
+    for k in ("ndcg@10", "recall@1", "recall@10", "mrr@10"):
+        assert ours[k] == pytest.approx(ref[k], abs=1e-3), k
+    assert ours["queries"] == 30
+
+
+@pytest.mark.slow
+def test_eval_reproduces_published_scifact_ndcg(tmp_path, capsys):
+    from pipeline_helpers import SCIFACT, minilm_path
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(minilm_path()), "--data", str(SCIFACT), "--output",
+                 str(out), "--no-cache"]) == 0
+    m = json.loads(out.read_text())[0]["metrics"]
+    assert m["ndcg@10"] == pytest.approx(0.6451, abs=0.002)
+    assert m["unseen/queries"] == 104
