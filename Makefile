@@ -38,8 +38,12 @@ demo: $(STAMP)
 example: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) examples/engine_example.py
 
+# About 10 minutes on 2 CPU cores; results in bench/results/, tables in docs/benchmarks.md.
 bench: $(STAMP)
-	$(PY) bench/engine_overhead.py
+	HF_HUB_OFFLINE=1 $(PY) bench/speed.py --batch 64 --chunk 16 --repeats 3
+	HF_HUB_OFFLINE=1 $(PY) bench/speed.py --batch 32 --chunk 8 --repeats 3 --equal-lengths
+	HF_HUB_OFFLINE=1 $(PY) bench/memory.py --batches 256,1024,4096,16384 --chunk 128 --max-length 32
+	$(PY) bench/report.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

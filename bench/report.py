@@ -1,0 +1,101 @@
+"""Write docs/benchmarks.md (tables) and docs/*.png (plots) from bench/results/*.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, ROOT  # noqa: E402
+
+DOCS = ROOT / "docs"
+
+LABELS = {"a_plain_full_batch": "(a) plain full batch", "b_st_cached_mnrl":
+          "(b) sentence-transformers CachedMNRL", "c_bigbatch": "(c) bigbatch GradCache",
+          "d_bigbatch_sorted": "(d) bigbatch, length-ordered", "F_forward_no_grad":
+          "F: forward without grad", "Bw_forward_backward": "Bw: forward + backward"}
+
+
+def speed_section(path: Path) -> list[str]:
+    r = json.loads(path.read_text())
+    s, m, med = r["settings"], r["machine"], r["median_seconds"]
+    lines = [f"### Speed: {path.stem}", "",
+             f"`{r['command']}` on {m['processor']} ({m['cpus']} CPUs, device {m['device']}"
+             f"{', ' + m['gpu'] if 'gpu' in m else ''}), torch {m['torch']}, {r['date']}.",
+             f"Batch {s['batch']}, chunk {s['chunk']}, max length {s['max_length']}, "
+             f"{s['dtype']}, {'equal' if s['equal_lengths'] else 'real SciFact'} lengths, "
+             f"median of {s['repeats']} interleaved rounds.", "",
+             "| contender | median s | x plain |", "|---|---|---|"]
+    for k, v in med.items():
+        lines.append(f"| {LABELS.get(k, k)} | {v:.3f} | {v / med['a_plain_full_batch']:.2f} |")
+    rt = r["ratios"]
+    lines += ["", f"Bound (2F + Bw) / (F + Bw) = **{r['bound_2F_plus_Bw_over_F_plus_Bw']:.3f}**; "
+              f"bigbatch / (F + Bw) = **{rt['c_over_F_plus_Bw']:.3f}**; "
+              f"length-ordered / plain = **{rt['d_over_a']:.3f}**; "
+              f"sentence-transformers cached / bigbatch = **{rt['b_over_c']:.3f}**.", ""]
+    return lines
+
+
+def memory_section(path: Path) -> list[str]:
+    r = json.loads(path.read_text())
+    m, s = r["machine"], r["settings"]
+    key = "peak_cuda_mb" if s["device"].startswith("cuda") else "peak_rss_mb"
+    lines = [f"### Peak memory: {path.stem}", "",
+             f"`{r['command']}` on {m['processor']} ({m['cpus']} CPUs), torch {m['torch']}, "
+             f"{r['date']}. Chunk {s['chunk']}, max length {s['max_length']}, streamed block "
+             f"{s['block']}; each point its own process; "
+             f"{'peak CUDA allocation' if 'cuda' in key else 'peak resident memory of the process'}.",
+             "", "| batch | bigbatch, streamed loss | bigbatch, dense loss | plain full batch | "
+             "step s (streamed) |", "|---|---|---|---|---|"]
+    batches = sorted({row["batch"] for row in r["rows"]})
+    for b in batches:
+        cells = []
+        for mode in ("streamed", "dense", "plain"):
+            row = next((x for x in r["rows"] if x["batch"] == b and x["mode"] == mode), None)
+            cells.append("not run" if row is None else "failed" if "failed" in row
+                         else f"{row[key]:,.0f} MB")
+        st = next((x for x in r["rows"] if x["batch"] == b and x["mode"] == "streamed"), {})
+        lines.append(f"| {b:,} | " + " | ".join(cells) + f" | {st.get('seconds', float('nan')):.1f} |")
+    lines.append("")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for mode in ("streamed", "dense", "plain"):
+            pts = [(x["batch"], x[key]) for x in r["rows"] if x["mode"] == mode and key in x]
+            if pts:
+                ax.plot(*zip(*sorted(pts)), marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (queries; as many documents)")
+        ax.set_ylabel("peak memory (MB)")
+        ax.legend()
+        ax.set_title("peak memory of one step")
+        fig.tight_layout()
+        png = DOCS / f"{path.stem}.png"
+        fig.savefig(png, dpi=100)
+        plt.close(fig)
+        lines += [f"![peak memory]({png.name})", ""]
+    except ImportError:
+        pass
+    return lines
+
+
+def main() -> None:
+    DOCS.mkdir(exist_ok=True)
+    lines = ["# Benchmarks", "",
+             "Produced by `make bench` (`bench/speed.py`, `bench/memory.py`, `bench/report.py`); "
+             "raw results with machine, date and versions are in `bench/results/`. Numbers are "
+             "measured, never asserted by tests.", ""]
+    for p in sorted(RESULTS.glob("speed-*.json")):
+        lines += speed_section(p)
+    for p in sorted(RESULTS.glob("memory-*.json")):
+        lines += memory_section(p)
+    (DOCS / "benchmarks.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {DOCS / 'benchmarks.md'}")
+
+
+if __name__ == "__main__":
+    main()
