@@ -197,6 +197,10 @@ class GradCache:
             before the loss, so the result is that of the unordered run.
         trim_padding: cut each chunk of tokenized inputs to its own longest row (columns
             that are padding in every row of the chunk are dropped; both padding sides).
+            Right padding is always exact. Dropping leading (left-padding) columns shifts
+            absolute positions, which is exact for rotary (relative) position models, the
+            ones that pad on the left, or when ``position_ids`` are given (they are cut
+            too); set False for an absolute-position model fed left-padded inputs.
         reuse_last_chunk: embed the final chunk with gradients in step 1 and keep its graph,
             saving its replay.
         check_finite: raise :class:`NonFiniteError` on NaN/inf embeddings or loss, before

@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "scoring above this fraction of the positive's score (<= 0: off)")
     mi.add_argument("--margin", type=float, default=None, help="drop candidates within this "
                     "margin of the positive's score")
+    mi.add_argument("--min-negatives", type=int, default=None, help="write a (query, positive) "
+                    "only with at least this many negatives (default: --num-negatives)")
     mi.add_argument("--index", choices=("flat", "hnsw"), default="flat",
                     help="flat: exact inner product; hnsw: approximate, for large corpora")
     _add_encoder_flags(mi)
@@ -250,7 +252,7 @@ def _mine(args: argparse.Namespace) -> int:
     ratio = args.max_score_ratio if args.max_score_ratio and args.max_score_ratio > 0 else None
     opts = MiningOptions(num_negatives=args.num_negatives, rank_start=start, rank_end=end,
                          max_score_ratio=ratio, margin=args.margin, index=args.index,
-                         batch_size=args.batch_size)
+                         batch_size=args.batch_size, min_negatives=args.min_negatives)
     device = _device(args.device)
     encoder = load_encoder(args.model, **_encoder_overrides(args)).to(device)
     report = mine_hard_negatives(encoder, args.data, args.split, args.output, opts,

@@ -11,7 +11,9 @@ filtering (NV-Retriever, Moreira et al. 2024).
    drop likely false negatives: a candidate scoring above ``max_score_ratio`` times the
    positive's score (TopK-PercPos), or within ``margin`` of it (TopK-MarginPos).
 4. Take the first ``num_negatives`` survivors; the search widens until they are found or
-   the window is exhausted.
+   the window is exhausted. A (query, positive) left with fewer than ``min_negatives``
+   (default: all ``num_negatives``) is not written, and counted in the report, so the
+   output trains with ``--num-hard-negatives num_negatives`` as it is.
 
 Writes training records (contrastors text JSONL with ids) and a report of candidates seen,
 dropped as positives, dropped as false negatives, and records left short.
@@ -40,6 +42,11 @@ class MiningOptions:
     margin: float | None = None
     index: str = "flat"
     batch_size: int = 64
+    min_negatives: int | None = None
+
+    @property
+    def required(self) -> int:
+        return self.num_negatives if self.min_negatives is None else self.min_negatives
 
     def validate(self) -> "MiningOptions":
         if self.num_negatives <= 0:
@@ -52,6 +59,9 @@ class MiningOptions:
                               f"--num-negatives {self.num_negatives} candidates")
         if self.max_score_ratio is not None and not 0 < self.max_score_ratio:
             raise ConfigError(f"--max-score-ratio must be > 0, got {self.max_score_ratio}")
+        if not 0 <= self.required <= self.num_negatives:
+            raise ConfigError(f"--min-negatives must be in [0, --num-negatives], got "
+                              f"{self.min_negatives}")
         if self.index not in ("flat", "hnsw"):
             raise ConfigError(f"--index must be 'flat' or 'hnsw', got {self.index!r}")
         return self
@@ -65,6 +75,7 @@ class MiningReport:
     dropped_as_positive: int = 0
     dropped_as_false_negative: int = 0
     short_records: int = 0
+    skipped_records: int = 0
     negatives_written: int = 0
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -74,8 +85,10 @@ class MiningReport:
                 f"dropped as known positives: {self.dropped_as_positive}",
                 f"dropped as likely false negatives: {self.dropped_as_false_negative}",
                 f"negatives written: {self.negatives_written}",
-                f"records with fewer than {self.options.get('num_negatives')} negatives: "
-                f"{self.short_records}"]
+                f"records written with fewer than {self.options.get('num_negatives')} "
+                f"negatives: {self.short_records}",
+                f"(query, positive) pairs not written, too few negatives left after filtering: "
+                f"{self.skipped_records}"]
 
 
 def _index(emb: torch.Tensor, kind: str) -> Any:
@@ -153,6 +166,9 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
                 negs.append(d)
                 if len(negs) == options.num_negatives:
                     break
+            if len(negs) < options.required:
+                report.skipped_records += 1
+                continue
             if len(negs) < options.num_negatives:
                 report.short_records += 1
             chosen.append((qid, pid, negs))
