@@ -7,7 +7,6 @@ them). Malformed lines raise :class:`bigbatch.errors.DataError` naming file, lin
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,23 +24,18 @@ def doc_text(rec: dict) -> str:
 
 
 def _read_jsonl(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict]]:
+    from .jsonl import iter_jsonl
+
     if not path.exists():
         raise DataError("file not found", path=str(path))
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"malformed JSON ({e.msg})", path=str(path), line=n) from e
-            if not isinstance(rec, dict):
-                raise DataError("expected a JSON object", path=str(path), line=n)
-            for key in required:
-                if key not in rec:
-                    raise DataError("missing key", path=str(path), line=n, field=key)
-            out.append((n, rec))
+    for n, rec, problem in iter_jsonl(path):
+        if problem is not None:
+            raise DataError(problem, path=str(path), line=n)
+        for key in required:
+            if key not in rec:
+                raise DataError("missing key", path=str(path), line=n, field=key)
+        out.append((n, rec))
     return out
 
 

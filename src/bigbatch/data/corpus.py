@@ -34,19 +34,18 @@ def iter_corpus(path: str | Path, block: int = 4096) -> Iterator[list[tuple[str,
     path = Path(path)
     if not path.exists():
         raise DataError("corpus file not found", path=str(path))
+    from .jsonl import iter_jsonl
+
     buf: list[tuple[str, str]] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                buf.append((str(rec["_id"]), doc_text(rec)))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise DataError(f"bad corpus record ({e})", path=str(path), line=n) from e
-            if len(buf) == block:
-                yield buf
-                buf = []
+    for n, rec, problem in iter_jsonl(path):
+        if problem is not None:
+            raise DataError(problem, path=str(path), line=n)
+        if "_id" not in rec or not isinstance(rec.get("text", ""), str):
+            raise DataError("a corpus record needs '_id' and 'text'", path=str(path), line=n)
+        buf.append((str(rec["_id"]), doc_text(rec)))
+        if len(buf) == block:
+            yield buf
+            buf = []
     if buf:
         yield buf
 

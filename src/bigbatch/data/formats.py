@@ -104,18 +104,12 @@ def detect_format(path: str | Path) -> str:
 
 # ------------------------------------------------------------------ reading
 def _jsonl(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                problems.append(Problem(str(path), n, None, f"malformed JSON ({e.msg})"))
-                continue
-            if not isinstance(rec, dict):
-                problems.append(Problem(str(path), n, None, "expected a JSON object"))
-                continue
+    from .jsonl import iter_jsonl
+
+    for n, rec, problem in iter_jsonl(path):
+        if problem is not None:
+            problems.append(Problem(str(path), n, None, problem))
+        else:
             yield n, rec
 
 

@@ -10,7 +10,6 @@ reported with file, line and field before training starts.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,65 +80,59 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
     base = path.parent
     records: list[TrainRecord] = []
     problems: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                problems.append(str(DataError(f"malformed JSON ({e.msg})", path=str(path), line=n)))
-                continue
-            if not isinstance(rec, dict):
-                problems.append(str(DataError("expected a JSON object", path=str(path), line=n)))
-                continue
-            where = {"path": str(path), "line": n, "field": "query"}
-            query = rec.get("query")
-            if not isinstance(query, str) or not query.strip():
-                problems.append(_fmt(where, "missing or empty query"))
-                query = None
-            positive, positive_id = None, ""
-            if "positive" in rec:
-                where["field"] = "positive"
-                if isinstance(rec["positive"], str) and rec["positive"].strip():
-                    positive = rec["positive"]
-                else:
-                    problems.append(_fmt(where, "must be non-empty text"))
-            elif "chunk_path" in rec:
-                where["field"] = "chunk_path"
-                positive = _read_text_file(rec["chunk_path"], base, where, problems)
-                positive_id = str(rec["chunk_path"])
+    from .jsonl import iter_jsonl
+
+    for n, rec, problem in iter_jsonl(path):
+        if problem is not None:
+            problems.append(str(DataError(problem, path=str(path), line=n)))
+            continue
+        where = {"path": str(path), "line": n, "field": "query"}
+        query = rec.get("query")
+        if not isinstance(query, str) or not query.strip():
+            problems.append(_fmt(where, "missing or empty query"))
+            query = None
+        positive, positive_id = None, ""
+        if "positive" in rec:
+            where["field"] = "positive"
+            if isinstance(rec["positive"], str) and rec["positive"].strip():
+                positive = rec["positive"]
             else:
-                where["field"] = "positive"
-                problems.append(_fmt(where, "missing positive: give 'positive' text or "
-                                            "'chunk_path'"))
-            negatives: list[str] = []
-            for key in ("negatives", "neg_chunk_paths"):
-                if key not in rec:
-                    continue
-                values = rec[key]
-                if not isinstance(values, list):
-                    where["field"] = key
-                    problems.append(_fmt(where, "must be a list"))
-                    continue
-                for i, v in enumerate(values):
-                    where["field"] = f"{key}[{i}]"
-                    if key == "negatives":
-                        if isinstance(v, str) and v.strip():
-                            negatives.append(v)
-                        else:
-                            problems.append(_fmt(where, "must be non-empty text"))
+                problems.append(_fmt(where, "must be non-empty text"))
+        elif "chunk_path" in rec:
+            where["field"] = "chunk_path"
+            positive = _read_text_file(rec["chunk_path"], base, where, problems)
+            positive_id = str(rec["chunk_path"])
+        else:
+            where["field"] = "positive"
+            problems.append(_fmt(where, "missing positive: give 'positive' text or "
+                                        "'chunk_path'"))
+        negatives: list[str] = []
+        for key in ("negatives", "neg_chunk_paths"):
+            if key not in rec:
+                continue
+            values = rec[key]
+            if not isinstance(values, list):
+                where["field"] = key
+                problems.append(_fmt(where, "must be a list"))
+                continue
+            for i, v in enumerate(values):
+                where["field"] = f"{key}[{i}]"
+                if key == "negatives":
+                    if isinstance(v, str) and v.strip():
+                        negatives.append(v)
                     else:
-                        text = _read_text_file(v, base, where, problems)
-                        if text is not None:
-                            negatives.append(text)
-            if query is not None and positive is not None:
-                if positive in negatives:
-                    where["field"] = "negatives"
-                    problems.append(_fmt(where, "a negative equals the positive"))
-                records.append(TrainRecord(query=query, positive=positive, negatives=negatives,
-                                           positive_id=positive_id, source=str(path), line=n,
-                                           query_id=str(rec.get("query_id", rec.get("id", "")))))
+                        problems.append(_fmt(where, "must be non-empty text"))
+                else:
+                    text = _read_text_file(v, base, where, problems)
+                    if text is not None:
+                        negatives.append(text)
+        if query is not None and positive is not None:
+            if positive in negatives:
+                where["field"] = "negatives"
+                problems.append(_fmt(where, "a negative equals the positive"))
+            records.append(TrainRecord(query=query, positive=positive, negatives=negatives,
+                                       positive_id=positive_id, source=str(path), line=n,
+                                       query_id=str(rec.get("query_id", rec.get("id", "")))))
     if problems:
         shown = "\n  ".join(problems[:MAX_REPORTED])
         more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
