@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--equal-lengths", action="store_true",
-                    help="pad every text to max length (the bound's setting)")
+                    help="make every text max-length real tokens (the bound's setting)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -53,11 +53,9 @@ def main() -> None:
     queries, docs = scifact_pairs(args.batch)
 
     def tok(texts):
+        if args.equal_lengths:  # every row max_length real tokens: repeat, then truncate
+            texts = [" ".join([t] * 64) for t in texts]
         f = model.preprocess(texts)
-        if args.equal_lengths:
-            f = model.tokenizer(texts, padding="max_length", truncation=True,
-                                max_length=args.max_length, return_tensors="pt")
-            f = {k: v for k, v in f.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         return {k: v.to(device) for k, v in f.items() if isinstance(v, torch.Tensor)}
 
     q, d = tok(queries), tok(docs)
@@ -89,7 +87,11 @@ def main() -> None:
                       autocast_dtype=amp)
     gc_sorted = bb.GradCache({"query": tower, "doc": tower}, loss_fn, chunk_size=args.chunk,
                              autocast_dtype=amp, sort_by_length=True)
-    chunks = [{k: v[i:i + args.chunk] for k, v in x.items()}
+    def trimmed(c):  # the chunks the engine runs: each cut to its own longest row
+        width = int(c["attention_mask"].sum(1).max())
+        return {k: v[:, :width] for k, v in c.items()}
+
+    chunks = [trimmed({k: v[i:i + args.chunk] for k, v in x.items()})
               for x in (q, d) for i in range(0, args.batch, args.chunk)]
 
     def forward_only():

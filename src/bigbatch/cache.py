@@ -507,8 +507,8 @@ class GradCache:
             if run.order is not None:
                 grad = grad.index_select(0, run.order.to(grad.device))
             grads = grad.split(run.rows)
-            if run.kept is not None:  # first: frees the kept graph before any replay
-                jobs.append((run, None, grads[-1]))
+            if run.kept is not None:  # before every replay: frees the kept graph first, so
+                jobs.insert(0, (run, None, grads[-1]))  # one chunk's activations at a time
             jobs.extend((run, c, grads[c]) for c in range(len(run.contexts)))
         for j, (run, c, g) in enumerate(jobs):
             if fsdp and j == len(jobs) - 1:

@@ -208,6 +208,26 @@ def test_device_option_moves_host_chunks():
     assert err <= TOL
 
 
+def test_at_most_one_chunk_graph_alive_at_a_time():
+    """Memory is that of one chunk: the kept last chunk's graph is released before any
+    replay, and each replay's graph before the next one is built."""
+    alive, peak = [0], [0]
+
+    class Counting(DenseTower):
+        def forward(self, x):
+            y = super().forward(x)
+            if torch.is_grad_enabled():
+                alive[0] += 1
+                peak[0] = max(peak[0], alive[0])
+                y.register_hook(lambda g: alive.__setitem__(0, alive[0] - 1))
+            return y
+
+    tower = Counting().to(DT)
+    inputs = {"query": torch.randn(7, 12, dtype=DT), "doc": torch.randn(14, 12, dtype=DT)}
+    bb.GradCache({"query": tower, "doc": tower}, bb.InfoNCE().to(DT), chunk_size=3).step(**inputs)
+    assert alive[0] == 0 and peak[0] == 1
+
+
 def test_tensor_inputs_and_per_tower_chunk_sizes():
     q_tower = DenseTower().to(DT)
     d_tower = DenseTower().to(DT)
