@@ -43,7 +43,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .errors import ConfigError
 
 __all__ = [
     "WorldInfo", "world_info", "is_distributed", "init_distributed", "gather_with_grad",

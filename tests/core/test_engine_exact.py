@@ -82,7 +82,7 @@ def test_id_masking():
     inputs = {"query": token_batch(B), "doc": token_batch(B * (1 + k))}
     doc_ids = [f"d{i}" for i in range(B * (1 + k))]
     doc_ids[4] = "d0"      # query 2's positive is the same passage as query 0's positive
-    doc_ids[3] = "d2"      # query 1's hard negative is query 1's ... no: equals doc 2 (query 1's positive)
+    doc_ids[3] = "d2"      # query 1's hard negative is the same passage as its positive (doc 2)
     err, result, ref = compare({"query": q_tower, "doc": d_tower}, loss_fn, inputs,
                                modules=[q_tower], loss_kwargs={"doc_ids": doc_ids})
     assert err <= TOL
@@ -146,7 +146,6 @@ def test_length_ordered_chunking_equals_unordered_and_reference():
                                     modules=[q_tower, d_tower],
                                     engine_kwargs={"chunk_size": 4, "sort_by_length": True})
     assert err <= TOL
-    sorted_grads = None
     zero_grads(q_tower, d_tower, loss_fn)
     bb.GradCache({"query": q_tower, "doc": d_tower}, loss_fn, chunk_size=4,
                  sort_by_length=True).step(**inputs)

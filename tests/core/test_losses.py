@@ -47,7 +47,6 @@ def test_matches_direct_cross_entropy(k, symmetric):
 
 def test_interleaved_layout_positive_is_i_times_1_plus_k():
     q = torch.eye(3, dtype=DT)
-    k = 2
     d = torch.zeros(9, 3, dtype=DT)
     for i in range(3):
         d[i * 3] = q[i]                      # positives where the layout says

@@ -62,7 +62,6 @@ def test_lora_defaults_and_errors(tiny):
 
 
 def test_gradient_checkpointing_composes_with_the_cache(tiny):
-    batches = {}
     grads = {}
     for gc in (False, True):
         torch.manual_seed(0)
