@@ -38,7 +38,8 @@ demo: $(STAMP)
 example: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) examples/engine_example.py
 
-# About 10 minutes on 2 CPU cores; results in bench/results/, tables in docs/benchmarks.md.
+# About 15 minutes on 2 CPU cores (18 min measured with the dense loss also at 4,096);
+# results in bench/results/, tables in docs/benchmarks.md.
 # Larger points (batch 16,384 and 65,536) take longer: run bench/memory.py --batches ... alone.
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) bench/speed.py --batch 32 --chunk 8 --repeats 3
