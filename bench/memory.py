@@ -34,8 +34,15 @@ def point(mode: str, batch: int, chunk: int, max_length: int, device: str, block
     model.max_seq_length = max_length
     model.train()
     queries, docs = scifact_pairs(batch)
-    q = {k: v.to(device) for k, v in model.preprocess(queries).items() if torch.is_tensor(v)}
-    d = {k: v.to(device) for k, v in model.preprocess(docs).items() if torch.is_tensor(v)}
+    def tokenize(texts: list[str]) -> dict:
+        # in blocks, padded to max_length: one call on 32k texts would raise the process's
+        # high-water mark above the step's own peak (the engine trims each chunk anyway)
+        parts = [model.tokenizer(texts[i:i + 1024], padding="max_length", truncation=True,
+                                 max_length=max_length, return_tensors="pt")
+                 for i in range(0, len(texts), 1024)]
+        return {k: torch.cat([p[k] for p in parts]).to(device) for k in parts[0].keys()}
+
+    q, d = tokenize(queries), tokenize(docs)
 
     def tower(**f):
         return model(dict(f))["sentence_embedding"]

@@ -42,7 +42,9 @@ def speed_section(path: Path) -> list[str]:
 
 def memory_section(paths: list[Path]) -> list[str]:
     """One table for all memory result files of a device (points may come from several runs)."""
-    runs = [json.loads(p.read_text()) for p in paths]
+    # newest run first: where runs share a point, the newest measurement is shown
+    runs = sorted((json.loads(p.read_text()) for p in paths), key=lambda x: x["date"],
+                  reverse=True)
     r = runs[0]
     m, s = r["machine"], r["settings"]
     key = "peak_cuda_mb" if s["device"].startswith("cuda") else "peak_rss_mb"
@@ -119,9 +121,10 @@ def targets_section() -> list[str]:
             out.append(fmt(x >= 1.25, f"bigbatch >= 1.25x faster than sentence-transformers' cached "
                                       f"loss ({tag} lengths): {x:.2f}x"))
     rows = []
-    for p in RESULTS.glob("memory-cpu*.json"):
-        rows += [x for x in json.loads(p.read_text())["rows"]
-                 if x["mode"] == "streamed" and "peak_rss_mb" in x]
+    runs = sorted((json.loads(p.read_text()) for p in RESULTS.glob("memory-cpu*.json")),
+                  key=lambda x: x["date"])  # oldest first: newer points overwrite below
+    for run in runs:
+        rows += [x for x in run["rows"] if x["mode"] == "streamed" and "peak_rss_mb" in x]
     peak = {x["batch"]: x["peak_rss_mb"] for x in rows}
     added = {x["batch"]: x["peak_rss_mb"] - x["rss_before_step_mb"] for x in rows}
     if 256 in peak:
