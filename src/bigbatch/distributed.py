@@ -101,11 +101,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Wo
     return world_info()
 
 
-def _comm_device(t: Tensor, group: Any) -> torch.device:
+def _comm_device(t: Tensor | torch.device, group: Any) -> torch.device:
+    """Where a collective's buffer must live: the current CUDA device for NCCL, else where
+    ``t`` (a tensor or a device) already is."""
     import torch.distributed as dist
 
-    return torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(group) == "nccl" else t.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return t.device if isinstance(t, Tensor) else t
 
 
 def all_gather_rows(t: Tensor, group: Any = None, sizes: Sequence[int] | None = None) -> Tensor:
@@ -131,8 +134,7 @@ def _exchange_ints(values: Sequence[int], group: Any = None) -> Tensor:
     """All-gather a short vector of ints from every rank: returns (world, len(values)) on CPU."""
     import torch.distributed as dist
 
-    dev = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    dev = _comm_device(torch.device("cpu"), group)
     mine = torch.tensor(list(values), dtype=torch.long, device=dev)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine, group=group)
@@ -265,8 +267,7 @@ def all_reduce_gradients(params: Iterable[nn.Parameter], group: Any = None) -> i
         by_dtype.setdefault((p.dtype, p.device), []).append(p)
     calls = 0
     for (dtype, device), plist in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-        dev = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend(group) == "nccl" else device
+        dev = _comm_device(device, group)
         numels = [p.numel() for p in plist]
         flat = torch.zeros(sum(numels) + len(plist), dtype=dtype, device=dev)
         views = flat[: sum(numels)].split(numels)

@@ -102,6 +102,7 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
         groups.append({"params": list(loss_fn.parameters()), "weight_decay": 0.0,
                        "lr": config.logit_scale_lr or config.lr})
     optimizer = torch.optim.AdamW(groups, lr=config.lr)
+    all_params = model_params + list(loss_fn.parameters())  # clipped together each step
     batches = EpochBatches(records, config.batch_size, config.num_hard_negatives, config.seed,
                            info.rank, info.world_size)
     if len(batches) == 0:
@@ -188,7 +189,6 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
         result = cache.step(query=q, doc=d, doc_ids=batch.doc_ids)
         if scaler is not None:
             scaler.unscale_(optimizer)
-        all_params = model_params + list(loss_fn.parameters())
         if config.max_grad_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(all_params, config.max_grad_norm)
         else:
