@@ -42,6 +42,25 @@ __all__ = ["GradCache", "StepResult"]
 Chunk = Any  # a Tensor, a dict of tensors (keyword arguments), or a collated raw chunk
 
 
+class _RawChunk:
+    """A chunk of raw examples, collated only when it is embedded (and again when it is
+    replayed), so that one chunk's collated tensors (e.g. decoded page images) are in
+    memory at a time, not the whole batch's."""
+
+    __slots__ = ("items", "collate")
+
+    def __init__(self, items: list, collate: Callable[[list], Any]) -> None:
+        self.items = items
+        self.collate = collate
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def _materialize(chunk: Chunk) -> Any:
+    return chunk.collate(chunk.items) if isinstance(chunk, _RawChunk) else chunk
+
+
 @dataclass
 class StepResult:
     """What :meth:`GradCache.step` returns.
@@ -299,7 +318,8 @@ class GradCache:
         Returns the chunks and their row counts. Tensors and batch-aligned dict values
         are sliced on their first dimension; other dict values are passed to every chunk.
         Tokenized dicts (with ``attention_mask``) are trimmed to each chunk's longest row.
-        Lists of raw examples are split, then collated with the tower's ``collate_fn``.
+        Lists of raw examples are split; each piece is collated with the tower's
+        ``collate_fn`` when it is embedded and again when it is replayed, never all at once.
         """
         n = _rows_of(inputs, name)
         bounds = [(lo, min(lo + chunk_size, n)) for lo in range(0, n, chunk_size)]
@@ -319,7 +339,7 @@ class GradCache:
         if collate is None:
             raise InputError(f"tower {name!r} was given a list of raw examples but no collate_fn; "
                              f"pass collate_fn=... (or {{{name!r}: ...}}) to GradCache")
-        return [collate(list(inputs[lo:hi])) for lo, hi in bounds], rows
+        return [_RawChunk(list(inputs[lo:hi]), collate) for lo, hi in bounds], rows
 
     def embed(self, name: str, chunk: Chunk) -> Tensor:
         """Run tower ``name`` on one chunk: ``tower(**chunk)`` for a dict, else ``tower(chunk)``."""
@@ -451,7 +471,7 @@ class GradCache:
         for i, run in enumerate(runs):
             outs = []
             for c, chunk in enumerate(run.chunks):
-                chunk = _to_device(chunk, self.device)
+                chunk = _to_device(_materialize(chunk), self.device)
                 keep = (self.reuse_last_chunk and i == last_trainable
                         and c == len(run.chunks) - 1)
                 if run.trainable and not keep:
@@ -517,7 +537,7 @@ class GradCache:
                 _surrogate_backward(run.kept, g)
                 run.kept = None
                 continue
-            chunk = _to_device(run.chunks[c], self.device)
+            chunk = _to_device(_materialize(run.chunks[c]), self.device)
             with run.contexts[c], self._autocast(_first_device(chunk)):
                 emb = self.embed(run.name, chunk)
             _surrogate_backward(emb, g)

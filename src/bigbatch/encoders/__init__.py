@@ -1,9 +1,12 @@
-"""Encoders: towers that turn text (and later images) into L2-normalised embeddings.
+"""Encoders: towers that turn text (TextEncoder) and page images (VisionLanguageEncoder, for
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL) into L2-normalised embeddings.
 
 Imports transformers and peft lazily, so ``import bigbatch`` stays light.
 """
 
 from .loading import load_encoder
-from .text import TextEncoder, default_lora_targets
+from .text import FrozenDocTower, TextEncoder, default_lora_targets
+from .vision import VisionLanguageEncoder, is_vision_language_model
 
-__all__ = ["TextEncoder", "default_lora_targets", "load_encoder"]
+__all__ = ["TextEncoder", "VisionLanguageEncoder", "FrozenDocTower", "default_lora_targets",
+           "load_encoder", "is_vision_language_model"]

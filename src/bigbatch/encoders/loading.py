@@ -1,6 +1,8 @@
 """Load an encoder from what users have on disk: a bigbatch ``final/`` (weights or a LoRA
 adapter), a checkpoint directory (its ``model/``), a sentence-transformers folder (pooling,
-normalisation and prompts read from its config files), or a plain transformers model."""
+normalisation and prompts read from its config files), or a plain transformers model.
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL folders (and adapters over them) give a
+:class:`~bigbatch.encoders.vision.VisionLanguageEncoder`."""
 
 from __future__ import annotations
 
@@ -41,9 +43,40 @@ def _st_settings(path: Path) -> dict[str, Any]:
     return out
 
 
-def load_encoder(path: str | Path, **overrides: Any) -> TextEncoder:
-    """A :class:`TextEncoder` for ``path``; keyword overrides (pooling, max_length,
-    query_prefix, doc_prefix, normalize) win over what the folder says.
+_VL_KEYS = ("query_instruction", "doc_instruction", "max_num_visual_tokens",
+            "min_num_visual_tokens", "max_length", "normalize", "freeze_vision")
+
+
+def _load_vision_language(path: Path, meta: dict[str, Any], overrides: dict[str, Any]) -> Any:
+    from .vision import VisionLanguageEncoder
+
+    settings = {k: meta[k] for k in _VL_KEYS if k in meta}
+    settings.update({k: v for k, v in overrides.items() if v is not None and k in _VL_KEYS})
+    if meta.get("lora") or (path / "adapter_config.json").exists():
+        from peft import PeftModel
+
+        base = meta.get("base_model") or json.loads(
+            (path / "adapter_config.json").read_text())["base_model_name_or_path"]
+        settings["freeze_vision"] = True  # a trained vision tower comes with the adapter
+        enc = VisionLanguageEncoder(base, **settings)
+        enc.model = PeftModel.from_pretrained(enc.model, str(path))
+        enc.lora_r = enc.model.peft_config["default"].r
+        enc.model_name = str(path)
+    else:
+        enc = VisionLanguageEncoder(path, **settings)
+    _restore_doc_tower(enc, meta)
+    return enc
+
+
+def _restore_doc_tower(enc: Any, meta: dict[str, Any]) -> None:
+    if meta.get("doc_tower") == "base":
+        enc.use_base_doc_tower(None if enc.is_lora else meta.get("doc_base_model"))
+
+
+def load_encoder(path: str | Path, **overrides: Any) -> Any:
+    """A :class:`TextEncoder` for ``path`` (a :class:`VisionLanguageEncoder` for a Qwen-VL
+    model); keyword overrides (pooling, max_length, query_prefix, doc_prefix, normalize, or
+    the vision-language settings) win over what the folder says.
 
     Raises:
         ConfigError: the path does not exist or holds no model.
@@ -53,9 +86,13 @@ def load_encoder(path: str | Path, **overrides: Any) -> TextEncoder:
         path = path / "model"  # a checkpoint directory
     if not path.exists():
         raise ConfigError(f"--model: {path} does not exist")
-    settings = _st_settings(path)
     meta_file = path / "bigbatch_encoder.json"
     meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    from .vision import is_vision_language_model
+
+    if is_vision_language_model(path):
+        return _load_vision_language(path, meta, overrides)
+    settings = _st_settings(path)
     for key in ("pooling", "normalize", "max_length", "query_prefix", "doc_prefix"):
         if key in meta:
             settings[key] = meta[key]
@@ -69,7 +106,10 @@ def load_encoder(path: str | Path, **overrides: Any) -> TextEncoder:
         enc.model = PeftModel.from_pretrained(enc.model, str(path))
         enc.lora_r = enc.model.peft_config["default"].r
         enc.model_name = str(path)
+        _restore_doc_tower(enc, meta)
         return enc
     if not (path / "config.json").exists():
         raise ConfigError(f"--model: {path} holds no transformers model (no config.json)")
-    return TextEncoder(path, **settings)
+    enc = TextEncoder(path, **settings)
+    _restore_doc_tower(enc, meta)
+    return enc

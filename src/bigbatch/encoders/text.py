@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 
-__all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES"]
+__all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES", "FrozenDocTower",
+           "FrozenDocMixin"]
 
 POOLING_MODES = ("mean", "cls", "last")
 
@@ -76,7 +77,81 @@ def _pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
 
 
-class TextEncoder(nn.Module):
+def _check_texts(items: Sequence[Any]) -> None:
+    bad = next((x for x in items if not isinstance(x, str)), None)
+    if bad is not None:
+        raise ConfigError(f"the text encoder got a {type(bad).__name__} document ({bad}); image "
+                          f"documents need a vision-language model (Qwen2-VL, Qwen2.5-VL, "
+                          f"Qwen3-VL)")
+
+
+class FrozenDocMixin:
+    """Query-side tuning for an encoder: documents embedded by the frozen initial weights.
+
+    With LoRA the frozen document tower is the model with its adapter disabled (no copy);
+    with full fine-tuning it is a frozen copy of the weights taken when
+    :meth:`use_base_doc_tower` is called. Saved folders record it, and ``encode(kind="doc")``
+    honours it, so retrieval after training embeds documents as training did.
+    """
+
+    doc_tower = "shared"
+    _doc_base: nn.Module | None = None
+    _doc_base_name: str | None = None
+
+    def use_base_doc_tower(self, base_model: str | os.PathLike | None = None) -> None:
+        """Embed documents with the frozen base weights from now on (call after ``.to()``).
+        ``base_model``: load them from this path instead of copying the current weights."""
+        import copy
+
+        self.doc_tower = "base"
+        if self.is_lora:
+            return
+        if base_model is not None:
+            from transformers import AutoModel
+
+            base = AutoModel.from_pretrained(str(base_model)).to(next(self.parameters()).device)
+            self._doc_base_name = str(base_model)
+        else:
+            base = copy.deepcopy(self.model)
+            self._doc_base_name = self.model_name
+        base.requires_grad_(False).eval()
+        object.__setattr__(self, "_doc_base", base)  # not a submodule: never trained or saved
+
+    @torch.no_grad()
+    def embed_doc_frozen(self, **inputs: Tensor) -> Tensor:
+        """Document embeddings from the frozen tower, without gradient, in eval mode."""
+        was = self.training
+        self.eval()
+        try:
+            if self._doc_base is not None:
+                return self._embed(self._doc_base, **inputs)
+            if self.is_lora:
+                with self.model.disable_adapter():
+                    return self._embed(self.model, **inputs)
+            return self._embed(self.model, **inputs)
+        finally:
+            self.train(was)
+
+    def frozen_doc_tower(self) -> "FrozenDocTower":
+        return FrozenDocTower(self)
+
+    def frozen_doc_meta(self) -> dict[str, Any]:
+        return {"doc_tower": self.doc_tower, "doc_base_model": self._doc_base_name}
+
+
+class FrozenDocTower(nn.Module):
+    """A GradCache tower that embeds documents with an encoder's frozen document tower. It
+    owns no parameters, so the engine embeds its chunks once, without gradient or replay."""
+
+    def __init__(self, encoder: FrozenDocMixin) -> None:
+        super().__init__()
+        object.__setattr__(self, "encoder", encoder)  # not registered: no parameters here
+
+    def forward(self, **inputs: Tensor) -> Tensor:
+        return self.encoder.embed_doc_frozen(**inputs)
+
+
+class TextEncoder(FrozenDocMixin, nn.Module):
     """A Hugging Face encoder with pooling and L2 normalisation.
 
     Args:
@@ -173,12 +248,25 @@ class TextEncoder(nn.Module):
         return {k: v for k, v in batch.items()
                 if k in ("input_ids", "attention_mask", "token_type_ids")}
 
+    def step_inputs(self, items: Sequence[str], kind: str,
+                    max_length: int | None = None) -> dict[str, Tensor]:
+        """What GradCache is given for one tower: the tokenized batch."""
+        _check_texts(items)
+        return self.tokenize(items, kind, max_length=max_length)
+
+    def collate_fns(self) -> None:
+        return None  # tokenized dicts need no collation
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor,
                 token_type_ids: Tensor | None = None) -> Tensor:
+        return self._embed(self.model, input_ids, attention_mask, token_type_ids)
+
+    def _embed(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+               token_type_ids: Tensor | None = None) -> Tensor:
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids
-        hidden = self.model(**kwargs).last_hidden_state
+        hidden = model(**kwargs).last_hidden_state
         emb = _pool(hidden, attention_mask, self.pooling)
         return nn.functional.normalize(emb, dim=-1) if self.normalize else emb
 
@@ -193,6 +281,7 @@ class TextEncoder(nn.Module):
         was_training = self.training
         self.eval()
         device = torch.device(device) if device is not None else next(self.parameters()).device
+        _check_texts(texts)
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         out: list[Tensor] = []
         bar = progress_bar(total=len(texts), desc=progress, unit="text") if progress else None
@@ -202,7 +291,9 @@ class TextEncoder(nn.Module):
             ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else \
                 torch.autocast(device.type, enabled=False)
             with ctx:
-                out.append(self(**batch).float().cpu())
+                emb = self.embed_doc_frozen(**batch) if kind == "doc" and \
+                    self.doc_tower == "base" else self(**batch)
+                out.append(emb.float().cpu())
             if bar is not None:
                 bar.update(len(idx))
         if bar is not None:
@@ -259,7 +350,8 @@ class TextEncoder(nn.Module):
         (path / "bigbatch_encoder.json").write_text(json.dumps({
             "pooling": self.pooling, "normalize": self.normalize, "max_length": self.max_length,
             "query_prefix": self.query_prefix, "doc_prefix": self.doc_prefix,
-            "lora": self.is_lora and not merge_lora, "base_model": self.model_name}, indent=2))
+            "lora": self.is_lora and not merge_lora, "base_model": self.model_name,
+            **self.frozen_doc_meta()}, indent=2))
         return path
 
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -1,0 +1,366 @@
+"""A vision-language bi-encoder over Qwen2-VL, Qwen2.5-VL and Qwen3-VL (transformers' own
+model classes): queries are text, documents are page images, text, or both.
+
+Each input is one ChatML prompt, as the Qwen embedding models are trained:
+
+    <|im_start|>system\\n{instruction}<|im_end|>\\n<|im_start|>user\\n
+    [<|vision_start|><|image_pad|>...<|vision_end|>]{text}<|im_end|>\\n<|im_start|>assistant\\n
+
+and its embedding is the last token's hidden state (padding side handled), L2-normalised.
+``max_num_visual_tokens`` becomes the image processor's pixel budget for the family
+(a visual token covers 28 x 28 pixels in Qwen2/2.5-VL, 32 x 32 in Qwen3-VL). The vision
+tower is frozen by default; LoRA goes on the language model's q/k/v/o projections.
+
+The multimodal rope state (``rope_deltas``, cached by the model after an image call) is
+reset before and after every call, and text-only calls get explicit position ids, so an
+image call never leaks into a text call.
+
+The encoder is a GradCache tower fed raw examples: :meth:`collate` turns a chunk of
+examples (strings or :class:`bigbatch.data.images.ImageDoc`) into model inputs, loading
+its images only then.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..data.images import ImageDoc, load_image
+from ..errors import ConfigError, InputError
+from .text import FrozenDocMixin, _pool
+
+__all__ = ["VisionLanguageEncoder", "VL_MODEL_TYPES", "QUERY_INSTRUCTION", "DOC_INSTRUCTION",
+           "is_vision_language_model", "pixels_per_visual_token"]
+
+# the seed pipeline's instructions (train_contrastors.py, convert_data_for_swift.py)
+QUERY_INSTRUCTION = "Retrieve images or text relevant to the user's query."
+DOC_INSTRUCTION = "Represent the user's input."
+TEMPLATE = ("<|im_start|>system\n{instruction}<|im_end|>\n<|im_start|>user\n{content}"
+            "<|im_end|>\n<|im_start|>assistant\n")
+# side in pixels of the square one visual token covers (patch size x spatial merge size)
+VL_MODEL_TYPES = {"qwen2_vl": 28, "qwen2_5_vl": 28, "qwen3_vl": 32}
+_LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)$"
+
+
+def pixels_per_visual_token(model_type: str) -> int:
+    """Pixels one visual token covers: 28*28 = 784 (Qwen2/2.5-VL), 32*32 = 1024 (Qwen3-VL)."""
+    if model_type not in VL_MODEL_TYPES:
+        raise ConfigError(f"not a supported vision-language model type: {model_type!r} "
+                          f"(supported: {sorted(VL_MODEL_TYPES)})")
+    return VL_MODEL_TYPES[model_type] ** 2
+
+
+def is_vision_language_model(path: str | os.PathLike) -> bool:
+    """Whether the model folder (or a bigbatch output / adapter over one) is a supported
+    vision-language model."""
+    p = Path(path)
+    meta = p / "bigbatch_encoder.json"
+    if meta.exists():
+        return json.loads(meta.read_text()).get("encoder") == "vision-language"
+    adapter = p / "adapter_config.json"
+    if adapter.exists() and not (p / "config.json").exists():
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+        return bool(base) and is_vision_language_model(base)
+    cfg = p / "config.json"
+    if cfg.exists():
+        return json.loads(cfg.read_text()).get("model_type") in VL_MODEL_TYPES
+    return False
+
+
+class VisionLanguageEncoder(FrozenDocMixin, nn.Module):
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL as a bi-encoder (last-token pooling, L2 norm).
+
+    Args:
+        model: path of the model folder (weights, tokenizer, image processor).
+        query_instruction, doc_instruction: the system instruction of queries / documents.
+        max_num_visual_tokens: visual tokens per image at most (the pixel budget is this
+            times the family's pixels per token); ``min_num_visual_tokens`` at least.
+        max_length: truncation length, in tokens, of the text part of an input (images and
+            the prompt around the text are never cut).
+        normalize: L2-normalise the embeddings.
+        freeze_vision: keep the vision tower's weights fixed (default). With LoRA and
+            ``freeze_vision=False`` the vision tower is trained fully and saved with the
+            adapter (peft ``modules_to_save``).
+        lora_r, lora_alpha, lora_dropout, lora_target_modules: LoRA through peft when
+            ``lora_r > 0``, on the language model's q/k/v/o projections by default.
+        gradient_checkpointing: recompute the language model's activations in backward.
+        dtype: dtype to load the weights in (default float32).
+
+    Raises:
+        ConfigError: an unsupported architecture or impossible option.
+    """
+
+    kind = "vision-language"
+
+    def __init__(self, model: str | os.PathLike, *, query_instruction: str = QUERY_INSTRUCTION,
+                 doc_instruction: str = DOC_INSTRUCTION, max_num_visual_tokens: int = 256,
+                 min_num_visual_tokens: int = 4, max_length: int = 512, normalize: bool = True,
+                 freeze_vision: bool = True, lora_r: int = 0, lora_alpha: int = 32,
+                 lora_dropout: float = 0.0, lora_target_modules: Sequence[str] | None = None,
+                 gradient_checkpointing: bool = False, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoTokenizer
+
+        self.model_name = str(model)
+        config = AutoConfig.from_pretrained(self.model_name)
+        self.model_type = config.model_type
+        self.pixels_per_token = pixels_per_visual_token(self.model_type)
+        if max_num_visual_tokens <= 0 or min_num_visual_tokens <= 0:
+            raise ConfigError(f"max_num_visual_tokens and min_num_visual_tokens must be > 0, "
+                              f"got {max_num_visual_tokens} and {min_num_visual_tokens}")
+        if min_num_visual_tokens > max_num_visual_tokens:
+            raise ConfigError(f"min_num_visual_tokens ({min_num_visual_tokens}) is more than "
+                              f"max_num_visual_tokens ({max_num_visual_tokens})")
+        if max_length <= 0:
+            raise ConfigError(f"max_length must be > 0, got {max_length}")
+        self.query_instruction = query_instruction
+        self.doc_instruction = doc_instruction
+        self.max_num_visual_tokens = max_num_visual_tokens
+        self.min_num_visual_tokens = min_num_visual_tokens
+        self.max_length = max_length
+        self.normalize = normalize
+        self.pooling = "last"
+        self.freeze_vision = freeze_vision
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_name)
+        self.tokenizer.padding_side = "right"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.image_processor = AutoImageProcessor.from_pretrained(self.model_name)
+        kwargs = {"dtype": dtype} if dtype is not None else {}
+        self.model = AutoModel.from_pretrained(self.model_name, **kwargs)
+        self.image_token_id = int(config.image_token_id)
+        self.merge = int(getattr(self.image_processor, "merge_size", 2))
+        if freeze_vision:
+            self._vision().requires_grad_(False)
+        self.lora_r = 0
+        if lora_r > 0:
+            self._apply_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+            if lora_r > 0:
+                self.model.enable_input_require_grads()
+
+    # ------------------------------------------------------------ model parts
+    def _core(self, model: nn.Module | None = None) -> nn.Module:
+        """The ``Qwen*VLModel`` (under peft and task heads): it holds ``rope_deltas``."""
+        m = model if model is not None else self.model
+        if hasattr(m, "get_base_model"):
+            m = m.get_base_model()
+        while not hasattr(m, "rope_deltas") and hasattr(m, "model"):
+            m = m.model
+        return m
+
+    def _vision(self) -> nn.Module:
+        return self._core().visual
+
+    def _apply_lora(self, r: int, alpha: int, dropout: float,
+                    targets: Sequence[str] | None) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        if alpha <= 0:
+            raise ConfigError(f"lora_alpha must be > 0 with LoRA, got {alpha}")
+        config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none",
+                            target_modules=list(targets) if targets else _LORA_TARGETS,
+                            modules_to_save=None if self.freeze_vision else ["visual"])
+        try:
+            self.model = get_peft_model(self.model, config)
+        except ValueError as e:
+            raise ConfigError(f"LoRA target modules {targets or _LORA_TARGETS} do not fit this "
+                              f"model: {e}") from e
+        self.lora_r = r
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora_r > 0
+
+    def reset_rope_state(self, model: nn.Module | None = None) -> None:
+        """Forget the rope offsets the model cached from its last multimodal call."""
+        core = self._core(model)
+        if hasattr(core, "rope_deltas"):
+            core.rope_deltas = None
+
+    # ------------------------------------------------------------------ inputs
+    @property
+    def pixel_budget(self) -> tuple[int, int]:
+        """(min_pixels, max_pixels) given to the image processor."""
+        return (self.min_num_visual_tokens * self.pixels_per_token,
+                self.max_num_visual_tokens * self.pixels_per_token)
+
+    def _truncate(self, text: str) -> str:
+        ids = self.tokenizer(text, add_special_tokens=False, truncation=True,
+                             max_length=self.max_length)["input_ids"]
+        return self.tokenizer.decode(ids) if len(ids) >= self.max_length else text
+
+    def collate(self, items: Sequence[str | ImageDoc], kind: str = "doc") -> dict[str, Tensor]:
+        """Model inputs for a chunk of queries (``kind="query"``) or documents: texts and/or
+        :class:`ImageDoc` (loaded here). Returns input_ids, attention_mask and, when the
+        chunk has images, pixel_values, image_grid_thw and mm_token_type_ids."""
+        if kind not in ("query", "doc"):
+            raise ConfigError(f"kind must be 'query' or 'doc', got {kind!r}")
+        instruction = self.query_instruction if kind == "query" else self.doc_instruction
+        images, texts = [], []
+        for item in items:
+            if isinstance(item, ImageDoc):
+                images.append(load_image(item.path))
+                texts.append(item.text)
+            elif isinstance(item, str):
+                texts.append(item)
+            else:
+                raise InputError(f"a vision-language input must be text or an ImageDoc, got "
+                                 f"{type(item).__name__}")
+        grid = None
+        out: dict[str, Tensor] = {}
+        if images:
+            lo, hi = self.pixel_budget
+            vis = self.image_processor(images=images, return_tensors="pt",
+                                       size={"shortest_edge": lo, "longest_edge": hi})
+            out["pixel_values"] = vis["pixel_values"]
+            grid = vis["image_grid_thw"]
+            out["image_grid_thw"] = grid
+        counts = iter([] if grid is None else (grid.prod(-1) // self.merge ** 2).tolist())
+        prompts = []
+        for item, text in zip(items, texts):
+            content = self._truncate(text) if text else ""
+            if isinstance(item, ImageDoc):
+                content = ("<|vision_start|>" + "<|image_pad|>" * next(counts) + "<|vision_end|>"
+                           + content)
+            prompts.append(TEMPLATE.format(instruction=instruction, content=content))
+        tok = self.tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
+        out["input_ids"] = tok["input_ids"]
+        out["attention_mask"] = tok["attention_mask"]
+        if images:
+            out["mm_token_type_ids"] = (tok["input_ids"] == self.image_token_id).int()
+        return out
+
+    def collate_query(self, items: Sequence[str | ImageDoc]) -> dict[str, Tensor]:
+        return self.collate(items, "query")
+
+    def collate_doc(self, items: Sequence[str | ImageDoc]) -> dict[str, Tensor]:
+        return self.collate(items, "doc")
+
+    def step_inputs(self, items: Sequence[str | ImageDoc], kind: str,
+                    max_length: int | None = None) -> list:
+        """What GradCache is given for one tower: the raw examples (collated per chunk)."""
+        return list(items)
+
+    def collate_fns(self) -> dict[str, Any]:
+        return {"query": self.collate_query, "doc": self.collate_doc}
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, pixel_values: Tensor | None = None,
+                image_grid_thw: Tensor | None = None,
+                mm_token_type_ids: Tensor | None = None) -> Tensor:
+        return self._embed(self.model, input_ids, attention_mask, pixel_values, image_grid_thw,
+                           mm_token_type_ids)
+
+    def _embed(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+               pixel_values: Tensor | None = None, image_grid_thw: Tensor | None = None,
+               mm_token_type_ids: Tensor | None = None) -> Tensor:
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask,
+                                  "use_cache": False}
+        if pixel_values is not None:
+            kwargs.update(pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                          mm_token_type_ids=mm_token_type_ids if mm_token_type_ids is not None
+                          else (input_ids == self.image_token_id).int())
+        else:  # text only: 1-D positions over the real tokens, the same on all 3 rope axes
+            pos = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+            kwargs["position_ids"] = pos.unsqueeze(0).expand(3, -1, -1)
+        self.reset_rope_state(model)
+        try:
+            hidden = model(**kwargs).last_hidden_state
+        finally:
+            self.reset_rope_state(model)
+        emb = _pool(hidden, attention_mask, "last")
+        return nn.functional.normalize(emb, dim=-1) if self.normalize else emb
+
+    @torch.no_grad()
+    def encode(self, items: Sequence[str | ImageDoc], kind: str = "doc", batch_size: int = 16,
+               device: torch.device | str | None = None, progress: str | None = None,
+               autocast_dtype: torch.dtype | None = None) -> Tensor:
+        """Embed texts and/or images in batches; float32 embeddings on the CPU, input order.
+        Documents go through the frozen document tower in query-side-tune mode."""
+        from .._progress import progress_bar
+
+        was_training = self.training
+        self.eval()
+        device = torch.device(device) if device is not None else next(self.parameters()).device
+        # images first, then texts longest first: similar shapes share a batch
+        order = sorted(range(len(items)), key=lambda i: (not isinstance(items[i], ImageDoc),
+                                                         -len(str(items[i]))))
+        out: list[Tensor] = []
+        bar = progress_bar(total=len(items), desc=progress, unit="item") if progress else None
+        for lo in range(0, len(order), batch_size):
+            idx = order[lo:lo + batch_size]
+            batch = {k: v.to(device) for k, v in self.collate([items[i] for i in idx], kind).items()}
+            ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else \
+                torch.autocast(device.type, enabled=False)
+            with ctx:
+                emb = self.embed_doc_frozen(**batch) if kind == "doc" and self.doc_tower == "base" \
+                    else self(**batch)
+            out.append(emb.float().cpu())
+            if bar is not None:
+                bar.update(len(idx))
+        if bar is not None:
+            bar.close()
+        self.train(was_training)
+        emb = torch.cat(out) if out else torch.empty(0, 0)
+        result = torch.empty_like(emb)
+        result[torch.tensor(order, dtype=torch.long)] = emb
+        return result
+
+    # ----------------------------------------------------------------- saving
+    def settings(self) -> dict[str, Any]:
+        return {"encoder": self.kind, "model_type": self.model_type,
+                "query_instruction": self.query_instruction,
+                "doc_instruction": self.doc_instruction,
+                "max_num_visual_tokens": self.max_num_visual_tokens,
+                "min_num_visual_tokens": self.min_num_visual_tokens,
+                "max_length": self.max_length, "normalize": self.normalize,
+                "freeze_vision": self.freeze_vision, "doc_tower": self.doc_tower}
+
+    def cache_key(self) -> dict[str, Any]:
+        """What identifies this encoder's embeddings (for the corpus embedding cache)."""
+        from ..data.corpus import _files_key
+
+        name = Path(self.model_name)
+        return {"model": str(name.resolve()) if name.exists() else str(name),
+                "files": _files_key(name), **self.settings()}
+
+    def save(self, path: str | os.PathLike, merge_lora: bool = False) -> Path:
+        """Write a folder that plain transformers (+ peft for an adapter) loads with the
+        standard key layout: ``AutoModel.from_pretrained(path)`` for merged or full weights,
+        ``PeftModel.from_pretrained(AutoModel.from_pretrained(base), path)`` for an adapter;
+        plus the tokenizer, the image processor (with the pixel budget) and
+        ``bigbatch_encoder.json`` (instructions, pooling) for :func:`load_encoder`."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        model = self.model
+        if self.is_lora and merge_lora:
+            import copy
+            model = copy.deepcopy(model).merge_and_unload()
+        model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        import copy
+        proc = copy.deepcopy(self.image_processor)
+        lo, hi = self.pixel_budget
+        proc.size = {"shortest_edge": lo, "longest_edge": hi}
+        proc.save_pretrained(path)
+        meta = self.settings()
+        meta.update(lora=self.is_lora and not merge_lora, base_model=self.model_name,
+                    pooling="last")
+        meta.update(self.frozen_doc_meta())
+        (path / "bigbatch_encoder.json").write_text(json.dumps(meta, indent=2))
+        return path
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]

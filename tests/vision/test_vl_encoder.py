@@ -1,0 +1,166 @@
+"""The vision-language bi-encoder: GradCache gradients with image documents and text queries
+equal the unchunked float64 reference (LoRA with a frozen vision tower, and everything
+trainable; dropout on), the rope state never leaks from an image call into a text call, and
+a saved adapter loads in plain transformers + peft with identical embeddings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bigbatch as bb
+from bigbatch.data.images import ImageDoc
+from bigbatch.encoders.vision import VisionLanguageEncoder
+from helpers import DT, grads_of, max_rel_err, zero_grads
+
+QUERIES = ["what does the figure show", "protein folding under heat stress", "a claim",
+           "ribosome assembly in bacteria"]
+
+
+def _docs(pages, n=8):
+    # interleaved [pos, neg] per query; one text document among the images
+    docs = [ImageDoc(p) for p in pages[:n]]
+    docs[3] = "a text passage about ribosomes and translation"
+    return docs
+
+
+def _perturb_lora(enc: VisionLanguageEncoder, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in enc.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+
+
+def _encoder(path, mode: str) -> VisionLanguageEncoder:
+    if mode == "lora-frozen-vision":
+        enc = VisionLanguageEncoder(path, lora_r=4, lora_alpha=8, freeze_vision=True,
+                                    max_num_visual_tokens=12)
+    else:  # everything trainable
+        enc = VisionLanguageEncoder(path, lora_r=0, freeze_vision=False, max_num_visual_tokens=12)
+    enc = enc.to(DT).train()
+    _perturb_lora(enc)
+    return enc
+
+
+@pytest.mark.parametrize("family,mode", [("qwen2_vl", "lora-frozen-vision"),
+                                         ("qwen2_vl", "full"),
+                                         ("qwen3_vl", "lora-frozen-vision"),
+                                         ("qwen3_vl", "full"),
+                                         ("qwen2_5_vl", "lora-frozen-vision")])
+def test_gradcache_equals_unchunked_reference(tiny_vl, page_images, family, mode):
+    enc = _encoder(tiny_vl(family, dropout=0.1), mode)
+    loss_fn = bb.InfoNCE(symmetric=True).to(DT)
+    docs = _docs(page_images)
+    cache = bb.GradCache({"query": enc, "doc": enc}, loss_fn, chunk_size={"query": 3, "doc": 3},
+                         collate_fn=enc.collate_fns())
+    torch.manual_seed(11)
+    zero_grads(enc, loss_fn)
+    result = cache.step(query=QUERIES, doc=docs)
+    got = grads_of(enc, loss_fn)
+
+    # reference: the same chunks in order, with gradients, from the same seed (same dropout)
+    torch.manual_seed(11)
+    zero_grads(enc, loss_fn)
+    q = torch.cat([enc(**enc.collate(QUERIES[i:i + 3], "query")) for i in range(0, 4, 3)])
+    d = torch.cat([enc(**enc.collate(docs[i:i + 3], "doc")) for i in range(0, 8, 3)])
+    ref_loss, _ = loss_fn(q, d)
+    ref_loss.backward()
+    ref = grads_of(enc, loss_fn)
+    assert max_rel_err(got, ref) <= 1e-10
+    assert torch.allclose(result.loss, ref_loss.detach(), rtol=1e-12)
+
+    vision = [n for n, p in enc.named_parameters() if ".visual." in n and "lora" not in n]
+    vision_grads = [n for n in vision if f"0.{n}" in got]
+    if mode == "lora-frozen-vision":
+        assert vision and not vision_grads  # the frozen vision tower receives nothing
+        assert all("lora" in k or k.startswith("1.") for k in got)
+    else:
+        assert len(vision_grads) > 0.8 * len(vision)
+
+    # dropout was on and matters: another seed gives another gradient
+    torch.manual_seed(12)
+    zero_grads(enc, loss_fn)
+    q = torch.cat([enc(**enc.collate(QUERIES[i:i + 3], "query")) for i in range(0, 4, 3)])
+    d = torch.cat([enc(**enc.collate(docs[i:i + 3], "doc")) for i in range(0, 8, 3)])
+    loss_fn(q, d)[0].backward()
+    assert max_rel_err(got, grads_of(enc, loss_fn), record=False) > 1e-6
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_text_after_image_equals_text_alone(tiny_vl, page_images, family):
+    enc = VisionLanguageEncoder(tiny_vl(family), max_num_visual_tokens=12).to(DT).eval()
+    with torch.no_grad():
+        alone = enc(**enc.collate(["protein folding", "a much longer query about cells"], "query"))
+        enc(**enc.collate([ImageDoc(page_images[5]), ImageDoc(page_images[0])], "doc"))
+        assert enc._core().rope_deltas is None  # reset after the image call
+        after = enc(**enc.collate(["protein folding", "a much longer query about cells"], "query"))
+        # even a stale offset left by someone else's call is ignored
+        enc._core().rope_deltas = torch.full((2, 1), 37)
+        stale = enc(**enc.collate(["protein folding", "a much longer query about cells"], "query"))
+    assert torch.equal(alone, after) and torch.equal(alone, stale)
+
+
+def test_embeddings_do_not_depend_on_batch_padding(tiny_vl, page_images):
+    enc = VisionLanguageEncoder(tiny_vl("qwen3_vl"), max_num_visual_tokens=12).to(DT).eval()
+    docs = [ImageDoc(page_images[1]), "short text", ImageDoc(page_images[6])]
+    with torch.no_grad():
+        together = enc(**enc.collate(docs, "doc"))
+        single = torch.cat([enc(**enc.collate([d], "doc")) for d in docs])
+    assert (together - single).abs().max() < 1e-12
+
+
+def test_pixel_budget_follows_the_family(tiny_vl, page_images):
+    for family, side in (("qwen2_vl", 28), ("qwen3_vl", 32)):
+        enc = VisionLanguageEncoder(tiny_vl(family), max_num_visual_tokens=6,
+                                    min_num_visual_tokens=2)
+        assert enc.pixel_budget == (2 * side * side, 6 * side * side)
+        batch = enc.collate([ImageDoc(p) for p in page_images], "doc")
+        tokens = batch["image_grid_thw"].prod(-1) // 4
+        assert int(tokens.max()) <= 6 and int(tokens.min()) >= 2
+        assert int((batch["input_ids"] == enc.image_token_id).sum()) == int(tokens.sum())
+
+
+def test_bad_options_and_inputs(tiny_vl, tmp_path):
+    with pytest.raises(bb.ConfigError, match="min_num_visual_tokens"):
+        VisionLanguageEncoder(tiny_vl("qwen2_vl"), max_num_visual_tokens=2, min_num_visual_tokens=4)
+    enc = VisionLanguageEncoder(tiny_vl("qwen2_vl"))
+    with pytest.raises(bb.DataError, match="missing.png"):
+        enc.collate([ImageDoc(str(tmp_path / "missing.png"))], "doc")
+    with pytest.raises(bb.InputError, match="text or an ImageDoc"):
+        enc.collate([3], "doc")
+
+
+@pytest.mark.parametrize("freeze_vision", [True, False])
+def test_adapter_loads_in_plain_transformers_and_peft(tiny_vl, page_images, tmp_path, freeze_vision):
+    from peft import PeftModel
+    from transformers import AutoModel
+
+    from bigbatch.encoders import load_encoder
+
+    base_path = tiny_vl("qwen3_vl")
+    enc = VisionLanguageEncoder(base_path, lora_r=4, lora_alpha=8, max_num_visual_tokens=12,
+                                freeze_vision=freeze_vision).eval()
+    _perturb_lora(enc)
+    if not freeze_vision:  # the trained vision tower travels with the adapter
+        with torch.no_grad():
+            for n, p in enc.named_parameters():
+                if ".visual." in n and p.requires_grad:
+                    p.add_(0.05)
+    out = enc.save(tmp_path / "final")
+    assert (out / "adapter_model.safetensors").exists()
+    items = [ImageDoc(page_images[2]), "a text document", ImageDoc(page_images[7])]
+    batch = enc.collate(items, "doc")
+    with torch.no_grad():
+        want = enc(**batch)
+        plain = PeftModel.from_pretrained(AutoModel.from_pretrained(base_path), str(out)).eval()
+        hidden = plain(**batch, use_cache=False).last_hidden_state
+        last = batch["attention_mask"].sum(1) - 1
+        got = torch.nn.functional.normalize(hidden[torch.arange(3), last], dim=-1)
+        base = VisionLanguageEncoder(base_path, max_num_visual_tokens=12).eval()(**batch)
+        loaded = load_encoder(out).eval()
+        again = loaded(**loaded.collate(items, "doc"))
+    assert (got - want).abs().max() < 1e-5
+    assert (again - want).abs().max() < 1e-6
+    assert (base - want).abs().max() > 1e-3  # the adapter is not silently without effect
+    assert loaded.max_num_visual_tokens == 12 and loaded.is_lora
