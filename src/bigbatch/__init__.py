@@ -4,7 +4,7 @@ models at batch sizes far beyond accelerator memory.
 Public names::
 
     bb.GradCache, bb.StepResult          # the engine (bigbatch.cache)
-    bb.InfoNCE, bb.LogitScale, bb.LossOutput   # losses (bigbatch.losses)
+    bb.InfoNCE, bb.CorpusInfoNCE, bb.LogitScale, bb.LossOutput   # losses (bigbatch.losses)
     bb.RandContext                       # random-state replay (bigbatch.rng)
     bb.functional.cached                 # luyug-style functional API
     bb.distributed                       # init_distributed, gather_with_grad, ...
@@ -14,13 +14,13 @@ Public names::
 from . import distributed, errors, functional
 from .cache import GradCache, StepResult
 from .errors import BigBatchError, ConfigError, DataError, InputError, NonFiniteError, ShapeError
-from .losses import InfoNCE, LogitScale, LossOutput
+from .losses import CorpusInfoNCE, InfoNCE, LogitScale, LossOutput
 from .rng import RandContext
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "GradCache", "StepResult", "InfoNCE", "LogitScale", "LossOutput", "RandContext",
+    "GradCache", "StepResult", "InfoNCE", "CorpusInfoNCE", "LogitScale", "LossOutput", "RandContext",
     "functional", "distributed", "errors", "BigBatchError", "ConfigError", "InputError", "ShapeError",
     "NonFiniteError", "DataError", "__version__",
 ]

@@ -47,6 +47,22 @@ _HELP = {
     "dtype": "autocast dtype for the encoder: float32, bfloat16 or float16",
     "device": "cpu, cuda, cuda:1 ... (default: cuda:LOCAL_RANK when available, else cpu)",
     "dist_timeout": "seconds before a stuck collective fails (torchrun)",
+    "query_grad_cache_chunk": "rows per GradCache chunk for the query tower (default: "
+                              "--grad-cache-chunk); text queries are cheaper than page images",
+    "encoder": "auto (vision-language for Qwen2-VL/2.5-VL/3-VL, else text), text, "
+               "vision-language",
+    "query_instruction": "vision-language: system instruction of queries (default: the seed's)",
+    "doc_instruction": "vision-language: system instruction of documents (default: the seed's)",
+    "max_num_visual_tokens": "vision-language: visual tokens per image at most (pixel budget = "
+                             "this x 784 for Qwen2/2.5-VL, x 1024 for Qwen3-VL)",
+    "min_num_visual_tokens": "vision-language: visual tokens per image at least",
+    "freeze_vision": "vision-language: keep the vision tower frozen",
+    "mode": "standard (both towers train) or query-side-tune (documents by the frozen base "
+            "weights)",
+    "query_side_backward": "query-side-tune: direct (one backward over the batch's queries) or "
+                           "gradcache (chunked, cached)",
+    "doc_negatives": "query-side-tune: batch (the batch's documents) or corpus (every document, "
+                     "embedded once)",
 }
 
 
@@ -138,7 +154,39 @@ def build_parser() -> argparse.ArgumentParser:
                     "relevant documents are not in this split's qrels ('' to skip)")
     ev.add_argument("--output", default=None, help="write the results as JSON here")
     _add_encoder_flags(ev)
+
+    rp = sub.add_parser("render-pages", help="render a BEIR corpus to page images (a visual "
+                        "document retrieval set: text queries, image documents)")
+    rp.add_argument("source", help="BEIR directory (e.g. ../shared/data/scifact)")
+    rp.add_argument("output", help="directory to write (BEIR layout + images/ + train.jsonl)")
+    rp.add_argument("--max-docs", type=int, default=None, help="corpus size: every relevant "
+                    "document, then others up to this many (default: all)")
+    rp.add_argument("--splits", default="train,test", help="qrels splits to keep")
+    rp.add_argument("--num-negatives", type=int, default=0, help="random negative pages per "
+                    "train.jsonl record")
+    rp.add_argument("--size", default="448x448", help="page WIDTHxHEIGHT in pixels")
+    rp.add_argument("--font-size", type=int, default=13)
+    rp.add_argument("--font", default=None, help="a .ttf file (default: DejaVu Sans or "
+                    "Pillow's built-in font)")
+    rp.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def _render_pages(args: argparse.Namespace) -> int:
+    from .data.pages import render_beir_pages
+
+    try:
+        w, h = (int(v) for v in args.size.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"--size must be WIDTHxHEIGHT, got {args.size!r}") from None
+    counts = render_beir_pages(args.source, args.output,
+                              splits=tuple(s for s in args.splits.split(",") if s),
+                              max_docs=args.max_docs, num_negatives=args.num_negatives,
+                              seed=args.seed, size=(w, h), font_size=args.font_size,
+                              font=args.font)
+    print(f"rendered {counts['documents']} pages, {counts['queries']} queries, "
+          f"{counts['train_records']} train records into {args.output}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -152,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _convert(args)
         if args.command == "mine":
             return _mine(args)
+        if args.command == "render-pages":
+            return _render_pages(args)
         if args.command == "train":
             from .train import load_config, train
 

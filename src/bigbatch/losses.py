@@ -33,7 +33,8 @@ from .errors import ConfigError, ShapeError
 if TYPE_CHECKING:
     from .distributed import Gathered
 
-__all__ = ["LogitScale", "InfoNCE", "LossOutput", "PartialLoss", "hard_negative_count"]
+__all__ = ["LogitScale", "InfoNCE", "CorpusInfoNCE", "LossOutput", "PartialLoss",
+           "hard_negative_count"]
 
 # Order of the statistics each block returns (sums and counts, reduced at the end).
 _STATS = ("pos_sum", "correct", "neg_sum", "neg_n", "inb_sum", "inb_n", "hard_sum", "hard_n")
@@ -373,3 +374,88 @@ class InfoNCE(nn.Module):
         summed = gathered.all_reduce_sum(torch.cat([part.detach().reshape(1), st]))
         metrics = self._metrics(summed[1:], scale, sum(bq), sum(nd), k)
         return PartialLoss(part, summed[0], metrics)
+
+
+class CorpusInfoNCE(nn.Module):
+    """InfoNCE of each query against a fixed, precomputed corpus of document embeddings.
+
+    For query-side tuning: the document tower is frozen, so the whole corpus is embedded
+    once and every query sees every document as a negative (not only its batch's).
+
+    Args:
+        corpus: ``(N, dim)`` document embeddings (constant; kept as a plain attribute, not
+            saved with the loss's state).
+        temperature, learnable_temperature, max_scale: as in :class:`InfoNCE`.
+
+    Inputs:
+        query: ``(B, dim)`` query embeddings.
+        positive_index: ``(B,)`` row of each query's positive in ``corpus``.
+        other_positives: optional ``(M, 2)`` pairs ``(query row, corpus row)`` of documents
+            also relevant to that query: masked out of its negatives.
+
+    Example::
+
+        loss_fn = CorpusInfoNCE(doc_emb)
+        cache = GradCache({"query": encoder}, loss_fn, chunk_size=32)
+        cache.step(query=batch, positive_index=torch.tensor(pos_rows))
+
+    References:
+        van den Oord et al., "Representation Learning with Contrastive Predictive Coding"
+        (2018); the query-side-tune mode of the seed pipeline (``001_``).
+    """
+
+    def __init__(self, corpus: Tensor, temperature: float = 0.07,
+                 learnable_temperature: bool = True, max_scale: float = 100.0) -> None:
+        super().__init__()
+        if corpus.dim() != 2 or corpus.shape[0] == 0:
+            raise ShapeError(f"corpus must be a non-empty (N, dim) tensor, got shape "
+                             f"{tuple(corpus.shape)}")
+        self.corpus = corpus.detach()
+        self.logit_scale = LogitScale(temperature, max_scale=max_scale,
+                                      learnable=learnable_temperature)
+
+    def clamp_(self) -> "CorpusInfoNCE":
+        self.logit_scale.clamp_()
+        return self
+
+    @property
+    def temperature(self) -> float:
+        return self.logit_scale.temperature
+
+    def forward(self, query: Tensor, positive_index: Tensor | Sequence[int],
+                other_positives: Tensor | None = None) -> LossOutput:
+        if query.dim() != 2 or query.shape[1] != self.corpus.shape[1]:
+            raise ShapeError(f"query must be (B, {self.corpus.shape[1]}), got "
+                             f"{tuple(query.shape)}")
+        target = torch.as_tensor(positive_index, dtype=torch.long, device=query.device)
+        if target.shape != (query.shape[0],):
+            raise ShapeError(f"positive_index must have one entry per query ({query.shape[0]}), "
+                             f"got shape {tuple(target.shape)}")
+        n = self.corpus.shape[0]
+        if bool(((target < 0) | (target >= n)).any()):
+            raise ShapeError(f"positive_index out of range for a corpus of {n} documents")
+        corpus = self.corpus.to(device=query.device, dtype=query.dtype)
+        sims = query @ corpus.T
+        scale = self.logit_scale()
+        logits = sims * scale
+        masked = 0
+        if other_positives is not None and len(other_positives):
+            pairs = torch.as_tensor(other_positives, dtype=torch.long, device=query.device)
+            keep = pairs[:, 1] != target[pairs[:, 0]]
+            pairs = pairs[keep]
+            logits = logits.index_put((pairs[:, 0], pairs[:, 1]),
+                                      torch.tensor(float("-inf"), dtype=logits.dtype,
+                                                   device=logits.device))
+            masked = pairs.shape[0]
+        loss = nn.functional.cross_entropy(logits, target)
+        with torch.no_grad():
+            b = query.shape[0]
+            pos = sims.gather(1, target[:, None]).squeeze(1)
+            neg_mask = torch.isfinite(logits)
+            neg_mask[torch.arange(b, device=query.device), target] = False
+            neg_sim = (sims * neg_mask).sum() / neg_mask.sum().clamp_min(1)
+            metrics = {"pos_sim": pos.mean(), "neg_sim": neg_sim, "margin": pos.mean() - neg_sim,
+                       "accuracy": (logits.argmax(1) == target).to(sims.dtype).mean(),
+                       "temperature": 1.0 / scale.detach(),
+                       "masked": torch.tensor(float(masked), device=query.device)}
+        return LossOutput(loss, {k: v.detach() for k, v in metrics.items()})

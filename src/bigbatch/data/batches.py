@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .records import TrainRecord, text_id
+from .images import ImageDoc, doc_key
+from .records import TrainRecord
 
 __all__ = ["EpochBatches", "Batch"]
 
@@ -25,7 +26,7 @@ class Batch:
     """One local batch: queries, documents laid out [pos, neg_1..neg_k] per query, doc ids."""
 
     queries: list[str]
-    docs: list[str]
+    docs: list[str | ImageDoc]
     doc_ids: list[str]
     epoch: int
     index: int
@@ -65,7 +66,7 @@ class EpochBatches:
                 else:
                     negs = negs[:self.k]
                 docs.extend(negs)
-                ids.extend(text_id(t) for t in negs)
+                ids.extend(doc_key(t) for t in negs)
         return Batch(queries, docs, ids, epoch, index)
 
     def iterate(self, start_epoch: int = 0, start_index: int = 0) -> Iterator[Batch]:

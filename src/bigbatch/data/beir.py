@@ -9,11 +9,15 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import DataError
 
+if TYPE_CHECKING:
+    from .images import ImageDoc
+
 __all__ = ["BeirData", "load_beir", "load_qrels", "load_queries", "beir_training_records",
-           "doc_text"]
+           "doc_text", "corpus_doc"]
 
 
 def doc_text(rec: dict) -> str:
@@ -21,6 +25,18 @@ def doc_text(rec: dict) -> str:
     title = (rec.get("title") or "").strip()
     text = rec.get("text") or ""
     return f"{title} {text}" if title else text
+
+
+def corpus_doc(rec: dict, root: Path) -> str | ImageDoc:
+    """The document a corpus record stands for: its page image when it has an ``image``
+    field (a path relative to the corpus folder), else its text (:func:`doc_text`)."""
+    image = rec.get("image")
+    if isinstance(image, str) and image:
+        from .images import ImageDoc  # noqa: F811
+
+        p = Path(image)
+        return ImageDoc(str((p if p.is_absolute() else root / p).resolve()))
+    return doc_text(rec)
 
 
 def _read_jsonl(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict]]:
@@ -105,7 +121,7 @@ def load_beir(root: str | Path, split: str = "test") -> BeirData:
     qrels = load_qrels(root / "qrels" / f"{split}.tsv")
     key = (root / "corpus.jsonl").resolve()
     if key not in _CORPUS_CACHE:
-        _CORPUS_CACHE[key] = {str(r["_id"]): doc_text(r)
+        _CORPUS_CACHE[key] = {str(r["_id"]): corpus_doc(r, root)
                               for _, r in _read_jsonl(root / "corpus.jsonl", ("_id", "text"))}
     corpus = _CORPUS_CACHE[key]
     queries = load_queries(root / "queries.jsonl", set(qrels))
@@ -129,4 +145,24 @@ def beir_training_records(root: str | Path, split: str = "train") -> list:
                 records.append(TrainRecord(query=data.queries[qid], positive=data.corpus[did],
                                            negatives=[], positive_id=did, source=source,
                                            line=0, query_id=qid))
+    _check_images(records, Path(root) / "corpus.jsonl")
     return records
+
+
+def _check_images(records: list, corpus_path: Path) -> None:
+    """Every page image the records use must open, or the run stops before training."""
+    from .images import ImageDoc, check_image
+
+    seen: set[str] = set()
+    problems = []
+    for r in records:
+        if isinstance(r.positive, ImageDoc) and r.positive.path not in seen:
+            seen.add(r.positive.path)
+            why = check_image(r.positive.path)
+            if why is not None:
+                problems.append(f"document {r.positive_id!r}: {why}")
+    if problems:
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise DataError(f"{len(problems)} unreadable page image(s):\n  "
+                        + "\n  ".join(problems[:20]) + more, path=str(corpus_path),
+                        field="image")

@@ -28,8 +28,10 @@ def default_cache_dir() -> Path:
 
 
 def iter_corpus(path: str | Path, block: int = 4096) -> Iterator[list[tuple[str, str]]]:
-    """Yield blocks of (doc_id, "title text") from a corpus.jsonl, reading it lazily."""
-    from .beir import doc_text
+    """Yield blocks of (doc_id, document) from a corpus.jsonl, reading it lazily; a document
+    is "title text", or an :class:`~bigbatch.data.images.ImageDoc` for a record with an
+    ``image`` field."""
+    from .beir import corpus_doc
 
     path = Path(path)
     if not path.exists():
@@ -42,7 +44,7 @@ def iter_corpus(path: str | Path, block: int = 4096) -> Iterator[list[tuple[str,
             raise DataError(problem, path=str(path), line=n)
         if "_id" not in rec or not isinstance(rec.get("text", ""), str):
             raise DataError("a corpus record needs '_id' and 'text'", path=str(path), line=n)
-        buf.append((str(rec["_id"]), doc_text(rec)))
+        buf.append((str(rec["_id"]), corpus_doc(rec, path.parent)))
         if len(buf) == block:
             yield buf
             buf = []
@@ -68,6 +70,8 @@ def _files_key(path: Path) -> list[Any]:
 
 def encoder_key(encoder: Any) -> dict[str, Any]:
     """What identifies an encoder's embeddings: its files and settings."""
+    if hasattr(encoder, "cache_key"):
+        return encoder.cache_key()
     name = Path(str(encoder.model_name))
     base = getattr(getattr(encoder.model, "peft_config", {}).get("default", None),
                    "base_model_name_or_path", None)

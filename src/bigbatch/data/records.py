@@ -2,9 +2,11 @@
 
 A record is one query, one positive document and zero or more negatives. JSONL files may
 use the seed pipeline's keys (``query``; the positive as ``positive`` text or ``chunk_path``,
-a path to a text file; negatives as ``negatives`` texts or ``neg_chunk_paths``). Relative
-paths resolve against the JSONL file's folder. Every problem in a file is collected and
-reported with file, line and field before training starts.
+a path to a text file or a page image; negatives as ``negatives`` texts or
+``neg_chunk_paths``). Relative paths resolve against the JSONL file's folder. Image paths
+become :class:`~bigbatch.data.images.ImageDoc` documents, opened only when their chunk is
+embedded; each one is checked to be a readable image here. Every problem in a file is
+collected and reported with file, line and field before training starts.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DataError
+from .images import IMAGE_SUFFIXES, ImageDoc, check_image
 
 __all__ = ["TrainRecord", "load_jsonl_records", "load_records"]
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 MAX_REPORTED = 20
 
 
@@ -27,8 +29,8 @@ class TrainRecord:
     path or a text hash) so the same passage twice in a batch is not a negative."""
 
     query: str
-    positive: str
-    negatives: list[str] = field(default_factory=list)
+    positive: str | ImageDoc
+    negatives: list[str | ImageDoc] = field(default_factory=list)
     positive_id: str = ""
     source: str = ""
     line: int = 0
@@ -36,23 +38,28 @@ class TrainRecord:
 
     def __post_init__(self) -> None:
         if not self.positive_id:
-            self.positive_id = text_id(self.positive)
+            from .images import doc_key
+            self.positive_id = doc_key(self.positive)
 
 
 def text_id(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
 
 
-def _read_text_file(value: object, base: Path, where: dict, problems: list[str]) -> str | None:
+def _read_doc_file(value: object, base: Path, where: dict,
+                   problems: list[str]) -> str | ImageDoc | None:
+    """A text file's text, or an :class:`ImageDoc` for a readable image; None on a problem."""
     if not isinstance(value, str) or not value.strip():
         problems.append(_fmt(where, "must be a non-empty path string"))
         return None
     p = Path(value)
     p = p if p.is_absolute() else base / p
     if p.suffix.lower() in IMAGE_SUFFIXES:
-        problems.append(_fmt(where, f"{value!r} is an image; image documents need the "
-                                    f"vision-language encoder"))
-        return None
+        why = check_image(p)
+        if why is not None:
+            problems.append(_fmt(where, why))
+            return None
+        return ImageDoc(str(p.resolve()))
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
@@ -100,13 +107,13 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
                 problems.append(_fmt(where, "must be non-empty text"))
         elif "chunk_path" in rec:
             where["field"] = "chunk_path"
-            positive = _read_text_file(rec["chunk_path"], base, where, problems)
-            positive_id = str(rec["chunk_path"])
+            positive = _read_doc_file(rec["chunk_path"], base, where, problems)
+            positive_id = positive.path if isinstance(positive, ImageDoc) else str(rec["chunk_path"])
         else:
             where["field"] = "positive"
             problems.append(_fmt(where, "missing positive: give 'positive' text or "
                                         "'chunk_path'"))
-        negatives: list[str] = []
+        negatives: list[str | ImageDoc] = []
         for key in ("negatives", "neg_chunk_paths"):
             if key not in rec:
                 continue
@@ -123,9 +130,9 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
                     else:
                         problems.append(_fmt(where, "must be non-empty text"))
                 else:
-                    text = _read_text_file(v, base, where, problems)
-                    if text is not None:
-                        negatives.append(text)
+                    doc = _read_doc_file(v, base, where, problems)
+                    if doc is not None:
+                        negatives.append(doc)
         if query is not None and positive is not None:
             if positive in negatives:
                 where["field"] = "negatives"

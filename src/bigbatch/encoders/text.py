@@ -170,6 +170,8 @@ class TextEncoder(FrozenDocMixin, nn.Module):
         ConfigError: unknown pooling, bad LoRA options.
     """
 
+    kind = "text"
+
     def __init__(self, model: str | os.PathLike, *, pooling: str = "mean", normalize: bool = True,
                  max_length: int = 256, query_prefix: str = "", doc_prefix: str = "",
                  lora_r: int = 0, lora_alpha: int = 32, lora_dropout: float = 0.0,

@@ -18,6 +18,8 @@ from ..errors import ConfigError
 __all__ = ["TrainConfig", "load_config", "DTYPES"]
 
 DTYPES = ("float32", "bfloat16", "float16")
+ENCODERS = ("auto", "text", "vision-language")
+MODES = ("standard", "query-side-tune")
 
 
 @dataclass
@@ -32,6 +34,7 @@ class TrainConfig:
     output_dir: str = "runs/bigbatch"
     batch_size: int = 4
     grad_cache_chunk: int = 2
+    query_grad_cache_chunk: int | None = None
     lr: float = 2e-5
     logit_scale_lr: float | None = None
     weight_decay: float = 0.01
@@ -54,6 +57,15 @@ class TrainConfig:
     query_prefix: str = ""
     doc_prefix: str = ""
     gradient_checkpointing: bool = False
+    encoder: str = "auto"
+    query_instruction: str | None = None
+    doc_instruction: str | None = None
+    max_num_visual_tokens: int = 256
+    min_num_visual_tokens: int = 4
+    freeze_vision: bool = True
+    mode: str = "standard"
+    query_side_backward: str = "direct"
+    doc_negatives: str = "batch"
     max_grad_norm: float = 1.0
     eval_steps: int = 0
     eval_batch_size: int = 64
@@ -86,6 +98,8 @@ class TrainConfig:
                      "lora_r", "lora_alpha", "save_total_limit"):
             if getattr(self, name) < 0:
                 raise bad(name, "must be >= 0")
+        if self.query_grad_cache_chunk is not None and self.query_grad_cache_chunk <= 0:
+            raise bad("query_grad_cache_chunk", "must be > 0")
         if self.max_steps <= 0 and not self.epochs:
             raise bad("max_steps", "must be > 0 (or give --epochs)")
         if self.epochs is not None and self.epochs <= 0:
@@ -102,6 +116,28 @@ class TrainConfig:
             raise bad("dtype", f"must be one of {DTYPES}")
         if self.pooling not in ("mean", "cls", "last"):
             raise bad("pooling", "must be 'mean', 'cls' or 'last'")
+        if self.encoder not in ENCODERS:
+            raise bad("encoder", f"must be one of {ENCODERS}")
+        if self.mode not in MODES:
+            raise bad("mode", f"must be one of {MODES}")
+        if self.query_side_backward not in ("direct", "gradcache"):
+            raise bad("query_side_backward", "must be 'direct' or 'gradcache'")
+        if self.doc_negatives not in ("batch", "corpus"):
+            raise bad("doc_negatives", "must be 'batch' or 'corpus'")
+        if self.doc_negatives == "corpus" and self.mode != "query-side-tune":
+            raise bad("doc_negatives", "'corpus' needs --mode query-side-tune (a frozen "
+                                       "document tower, so the corpus is embedded once)")
+        if self.doc_negatives == "corpus" and self.num_hard_negatives:
+            raise ConfigError("--doc-negatives corpus already uses every document as a "
+                              "negative; set --num-hard-negatives 0")
+        if self.doc_negatives == "corpus" and self.symmetric:
+            raise ConfigError("--symmetric needs trainable documents; not with --doc-negatives "
+                              "corpus")
+        for name in ("max_num_visual_tokens", "min_num_visual_tokens"):
+            if getattr(self, name) <= 0:
+                raise bad(name, "must be > 0")
+        if self.min_num_visual_tokens > self.max_num_visual_tokens:
+            raise bad("min_num_visual_tokens", "must be <= --max-num-visual-tokens")
         if not 0 <= self.lora_dropout < 1:
             raise bad("lora_dropout", "must be in [0, 1)")
         if self.lora_r > 0 and self.lora_alpha == 0:

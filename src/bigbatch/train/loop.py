@@ -18,7 +18,7 @@ from .. import distributed as D
 from .._progress import progress_bar
 from ..cache import GradCache
 from ..errors import ConfigError
-from ..losses import InfoNCE
+from ..losses import CorpusInfoNCE, InfoNCE
 from .checkpoint import (atomic_dir, latest_checkpoint, load_checkpoint, rng_state,
                          rotate_checkpoints, save_checkpoint)
 from .config import TrainConfig
@@ -65,12 +65,90 @@ def _barrier(info: D.WorldInfo) -> None:
         dist.barrier()
 
 
+def _build_encoder(config: TrainConfig, records: list, lora_r: int) -> Any:
+    """The text or vision-language encoder the configuration asks for."""
+    from ..data.images import ImageDoc
+    from ..encoders import TextEncoder, VisionLanguageEncoder, is_vision_language_model
+
+    kind = config.encoder
+    if kind == "auto":
+        kind = "vision-language" if is_vision_language_model(config.model) else "text"
+    if kind == "text":
+        image = next((r for r in records if isinstance(r.positive, ImageDoc)
+                      or any(isinstance(n, ImageDoc) for n in r.negatives)), None)
+        if image is not None:
+            raise ConfigError(f"{image.source}:{image.line}: the training data has image "
+                              f"documents, but --model {config.model} is a text model; use a "
+                              f"Qwen2-VL / Qwen2.5-VL / Qwen3-VL model")
+        return TextEncoder(config.model, pooling=config.pooling, max_length=config.max_length,
+                           query_prefix=config.query_prefix, doc_prefix=config.doc_prefix,
+                           lora_r=lora_r, lora_alpha=config.lora_alpha,
+                           lora_dropout=config.lora_dropout,
+                           lora_target_modules=config.lora_target_modules,
+                           gradient_checkpointing=config.gradient_checkpointing)
+    from ..encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
+
+    return VisionLanguageEncoder(
+        config.model, query_instruction=config.query_instruction or QUERY_INSTRUCTION,
+        doc_instruction=config.doc_instruction or DOC_INSTRUCTION,
+        max_num_visual_tokens=config.max_num_visual_tokens,
+        min_num_visual_tokens=config.min_num_visual_tokens, max_length=config.max_length,
+        freeze_vision=config.freeze_vision, lora_r=lora_r, lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout, lora_target_modules=config.lora_target_modules,
+        gradient_checkpointing=config.gradient_checkpointing)
+
+
+class _FixedCorpus:
+    """Query-side tuning against the whole corpus: every document embedded once by the frozen
+    document tower. The corpus is the BEIR directory's ``corpus.jsonl`` when training on one,
+    else every distinct document of the training records."""
+
+    def __init__(self, config: TrainConfig, records: list, encoder: Any, device: torch.device,
+                 info: D.WorldInfo) -> None:
+        from ..data.images import doc_key
+
+        items: list[Any] = []
+        self.ids: list[str] = []
+        index: dict[str, int] = {}
+        root = Path(config.train_data)
+        if root.is_dir():
+            from ..data.beir import load_beir
+
+            for did, doc in load_beir(root, config.train_split).corpus.items():
+                index[did] = len(items)
+                self.ids.append(did)
+                items.append(doc)
+        for r in records:
+            for key, doc in [(r.positive_id, r.positive)] + [(doc_key(n), n) for n in r.negatives]:
+                if key not in index:
+                    index[key] = len(items)
+                    self.ids.append(key)
+                    items.append(doc)
+        self.index = index
+        # every positive of a query (by id, else by text) is masked out of its negatives
+        self.positives: dict[str, set[int]] = {}
+        for r in records:
+            self.positives.setdefault(r.query_id or r.query, set()).add(index[r.positive_id])
+        self._query_key = {r.query: r.query_id or r.query for r in records}
+        emb = encoder.encode(items, kind="doc", batch_size=config.eval_batch_size, device=device,
+                             progress="embed training corpus" if info.is_main else None)
+        self.emb = emb.to(device)
+
+    def targets(self, batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
+        pos = [self.index[i] for i in batch.doc_ids]
+        pairs = [(row, col) for row, q in enumerate(batch.queries)
+                 for col in sorted(self.positives.get(self._query_key.get(q, q), ()))
+                 if col != pos[row]]
+        other = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+        return {"positive_index": torch.tensor(pos, dtype=torch.long, device=device),
+                "other_positives": other.to(device)}
+
+
 def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]:
     """Run training as configured; returns a summary with the base and final metrics (and,
-    under ``"encoder"``, the trained :class:`TextEncoder`). ``_stop_after`` ends the run
+    under ``"encoder"``, the trained encoder). ``_stop_after`` ends the run
     right after step N's checkpoint, as a kill would (for resume tests)."""
     from ..data import EpochBatches, load_records
-    from ..encoders import TextEncoder
     from ..evaluate import evaluate_beir
 
     config.validate()
@@ -86,16 +164,20 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
     random.seed(config.seed)
     torch.manual_seed(config.seed)  # same model (and LoRA) initialisation on every rank
     lora_r = 0 if config.full_finetune else config.lora_r
-    encoder = TextEncoder(config.model, pooling=config.pooling, max_length=config.max_length,
-                          query_prefix=config.query_prefix, doc_prefix=config.doc_prefix,
-                          lora_r=lora_r, lora_alpha=config.lora_alpha,
-                          lora_dropout=config.lora_dropout,
-                          lora_target_modules=config.lora_target_modules,
-                          gradient_checkpointing=config.gradient_checkpointing).to(device)
+    encoder = _build_encoder(config, records, lora_r).to(device)
     encoder.train()
-    loss_fn = InfoNCE(temperature=config.temperature,
-                      learnable_temperature=not config.fixed_temperature,
-                      symmetric=config.symmetric).to(device)
+    query_side = config.mode == "query-side-tune"
+    corpus = None
+    if query_side:
+        encoder.use_base_doc_tower()  # documents: the frozen initial weights
+    if config.doc_negatives == "corpus":
+        corpus = _FixedCorpus(config, records, encoder, device, info)
+        loss_fn = CorpusInfoNCE(corpus.emb, temperature=config.temperature,
+                                learnable_temperature=not config.fixed_temperature).to(device)
+    else:
+        loss_fn = InfoNCE(temperature=config.temperature,
+                          learnable_temperature=not config.fixed_temperature,
+                          symmetric=config.symmetric).to(device)
     model_params = encoder.trainable_parameters()
     groups = [{"params": model_params, "weight_decay": config.weight_decay}]
     if list(loss_fn.parameters()):
@@ -114,9 +196,21 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
     scheduler = make_scheduler(optimizer, config.scheduler, config.warmup_steps, max_steps)
     amp = _DTYPES[config.dtype]
     scaler = torch.amp.GradScaler(device.type) if amp is torch.float16 else None
-    cache = GradCache({"query": encoder, "doc": encoder}, loss_fn,
-                      chunk_size=config.grad_cache_chunk, autocast_dtype=amp, scaler=scaler,
-                      device=device, sort_by_length=True)
+    chunk = config.grad_cache_chunk
+    q_chunk = min(config.query_grad_cache_chunk or chunk, config.batch_size)
+    if query_side and config.query_side_backward == "direct":
+        q_chunk = config.batch_size  # one chunk: its graph is kept, backward runs directly
+    if corpus is not None:
+        towers, chunks = {"query": encoder}, {"query": q_chunk}
+    else:
+        doc_tower = encoder.frozen_doc_tower() if query_side else encoder
+        towers, chunks = {"query": encoder, "doc": doc_tower}, {"query": q_chunk, "doc": chunk}
+    collate = encoder.collate_fns()
+    if collate is not None:
+        collate = {name: collate[name] for name in towers}
+    cache = GradCache(towers, loss_fn, chunk_size=chunks, collate_fn=collate,
+                      autocast_dtype=amp, scaler=scaler, device=device, sort_by_length=True,
+                      cross_device=corpus is None)
 
     state: dict[str, Any] = {"step": 0, "epoch": 0, "index": 0, "best": None, "best_step": None,
                              "examples": 0, "base_metrics": None}
@@ -134,9 +228,14 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
         print(f"bigbatch train: {len(records)} records, {len(batches)} steps/epoch, "
               f"{max_steps} steps, global batch {batches.global_batch} "
               f"({info.world_size} process(es) x {config.batch_size}), chunk "
-              f"{config.grad_cache_chunk}, k={config.num_hard_negatives}, "
+              f"{chunk}{f' (queries {q_chunk})' if q_chunk != chunk else ''}, "
+              f"k={config.num_hard_negatives}, "
               f"{'LoRA r=' + str(lora_r) if lora_r else 'full fine-tuning'} "
-              f"({n_train:,} trainable parameters), device {device}", flush=True)
+              f"({n_train:,} trainable parameters), {encoder.kind} encoder, device {device}"
+              + (f", query-side-tune ({config.query_side_backward} backward, "
+                 f"{config.doc_negatives} negatives"
+                 + (f": {len(corpus.ids):,} documents" if corpus is not None else "") + ")"
+                 if query_side else ""), flush=True)
 
     def evaluate(step: int) -> dict[str, float] | None:
         if not config.eval_data:
@@ -182,11 +281,14 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
     for batch in batches.iterate(state["epoch"], state["index"]):
         if state["step"] >= max_steps:
             break
-        q = encoder.tokenize(batch.queries, "query", max_length=config.query_max_length)
-        d = encoder.tokenize(batch.docs, "doc")
+        q = encoder.step_inputs(batch.queries, "query", max_length=config.query_max_length)
         t0 = time.time()
         optimizer.zero_grad(set_to_none=True)
-        result = cache.step(query=q, doc=d, doc_ids=batch.doc_ids)
+        if corpus is not None:
+            result = cache.step(query=q, **corpus.targets(batch, device))
+        else:
+            d = encoder.step_inputs(batch.docs, "doc")
+            result = cache.step(query=q, doc=d, doc_ids=batch.doc_ids)
         if scaler is not None:
             scaler.unscale_(optimizer)
         if config.max_grad_norm > 0:
