@@ -11,7 +11,7 @@ import bigbatch as bb
 from bigbatch.encoders import TextEncoder, default_lora_targets
 from bigbatch.errors import ConfigError
 from helpers import grads_of, max_rel_err, zero_grads
-from pipeline_helpers import tiny_bert
+from pipeline_helpers import minilm_path, tiny_bert
 
 TEXTS = ["a short one", "a somewhat longer sentence about proteins and cells",
          "tumor suppression by p53"]
@@ -127,3 +127,14 @@ def test_saved_model_loads_in_transformers_peft_and_sentence_transformers(tiny, 
     st_d = torch.tensor(st.encode(TEXTS, prompt_name="document"))
     assert torch.allclose(st_q, ours_q, atol=1e-5)
     assert torch.allclose(st_d, ours_d, atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_tokenize_in_blocks_equals_one_call(side):
+    enc = TextEncoder(minilm_path(), max_length=40)
+    enc.tokenizer.padding_side = side
+    texts = ["short", "a much longer text " * 10, "mid length text here", "x y"] * 5
+    whole = enc.tokenize(texts, block=10_000)
+    blocks = enc.tokenize(texts, block=3)
+    assert whole.keys() == blocks.keys()
+    assert all(torch.equal(whole[k], blocks[k]) for k in whole)

@@ -242,13 +242,39 @@ class TextEncoder(FrozenDocMixin, nn.Module):
 
     # -------------------------------------------------------------- forward
     def tokenize(self, texts: Sequence[str], kind: str = "doc",
-                 max_length: int | None = None) -> dict[str, Tensor]:
-        """Tokenize ``texts`` as queries (``kind="query"``) or documents, with the prefix."""
+                 max_length: int | None = None, block: int = 2048) -> dict[str, Tensor]:
+        """Tokenize ``texts`` as queries (``kind="query"``) or documents, with the prefix.
+
+        Large batches are tokenized ``block`` texts at a time and padded to the batch's
+        longest row: a fast tokenizer keeps per-token records (strings, offsets, and the
+        overflow of every truncated text) for each text of a call, which for 16,384
+        abstracts cut to 32 tokens is over 1 GB alive at once; per block it is freed as
+        soon as the block's tensors are taken.
+        """
         prefix = self.query_prefix if kind == "query" else self.doc_prefix
-        batch = self.tokenizer([prefix + t for t in texts], padding=True, truncation=True,
-                               max_length=max_length or self.max_length, return_tensors="pt")
-        return {k: v for k, v in batch.items()
-                if k in ("input_ids", "attention_mask", "token_type_ids")}
+        keys = ("input_ids", "attention_mask", "token_type_ids")
+        length = max_length or self.max_length
+        parts = []
+        for lo in range(0, max(len(texts), 1), block):
+            enc = self.tokenizer([prefix + t for t in texts[lo:lo + block]], padding=True,
+                                 truncation=True, max_length=length, return_tensors="pt")
+            parts.append({k: v for k, v in enc.items() if k in keys})
+            del enc  # drops the per-token records of this block
+        if len(parts) == 1:
+            return parts[0]
+        width = max(p["input_ids"].shape[1] for p in parts)
+        left = self.tokenizer.padding_side == "left"
+        pad_id = self.tokenizer.pad_token_id or 0
+        out = {}
+        for k in parts[0]:
+            fill = pad_id if k == "input_ids" else 0
+            padded = []
+            for p in parts:
+                extra = width - p[k].shape[1]
+                pad = (extra, 0) if left else (0, extra)
+                padded.append(torch.nn.functional.pad(p[k], pad, value=fill) if extra else p[k])
+            out[k] = torch.cat(padded)
+        return out
 
     def step_inputs(self, items: Sequence[str], kind: str,
                     max_length: int | None = None) -> dict[str, Tensor]:
