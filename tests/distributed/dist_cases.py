@@ -8,7 +8,6 @@ import json
 import os
 import sys
 import time
-import traceback
 from datetime import timedelta
 
 import torch
@@ -20,6 +19,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import bigbatch as bb  # noqa: E402
 from bigbatch import distributed as D  # noqa: E402
+from dist_helpers import run_cases  # noqa: E402
 from helpers import (DT, TokenTower, grads_of, max_rel_err, token_batch,  # noqa: E402
                      trimmed_chunks)
 
@@ -310,22 +310,7 @@ CASES = {
 
 
 def worker(rank, world, port, out_path, names):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    results = {}
-    for name in names:
-        try:
-            results[name] = CASES[name]()
-        except Exception:  # report, and keep the ranks in step for the next case
-            results[name] = {"error": traceback.format_exc()}
-        dist.barrier()
-    every = [None] * world
-    dist.all_gather_object(every, results)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(every, f)
-    dist.destroy_process_group()
+    run_cases(rank, world, port, out_path, {n: CASES[n] for n in names})
 
 
 def failing_rank_worker(rank, world, port, out_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 
@@ -16,27 +15,15 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import dist_cases  # noqa: E402
+from dist_helpers import free_port, spawn_and_collect  # noqa: E402
 
 TOL = 1e-10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist") / "results.json"
-    mp.spawn(dist_cases.worker, args=(2, free_port(), str(out), list(dist_cases.CASES)),
-             nprocs=2, join=True)
-    per_rank = json.loads(out.read_text())
-    for r in per_rank:
-        for name, res in r.items():
-            if "error" in res:
-                pytest.fail(f"case {name} failed on a rank:\n{res['error']}")
-    return per_rank
+    return spawn_and_collect(dist_cases.worker, out, list(dist_cases.CASES))
 
 
 def record(res):

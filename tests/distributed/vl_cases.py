@@ -6,11 +6,8 @@ masks are the ones the ranks drew)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,6 +18,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import bigbatch as bb  # noqa: E402
 from bigbatch.data.images import ImageDoc  # noqa: E402
 from bigbatch.encoders.vision import VisionLanguageEncoder  # noqa: E402
+from dist_helpers import run_cases  # noqa: E402
 from helpers import DT, grads_of, max_rel_err  # noqa: E402
 
 CHUNK = 2
@@ -149,19 +147,6 @@ CASES = {
 
 
 def worker(rank, world, port, out_path, model_path, pages):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    results = {}
-    for name, case in CASES.items():
-        try:
-            results[name] = case(model_path, pages)
-        except Exception:  # report, and keep the ranks in step for the next case
-            results[name] = {"error": traceback.format_exc()}
-        dist.barrier()
-    every = [None] * world
-    dist.all_gather_object(every, results)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(every, f)
-    dist.destroy_process_group()
+    run_cases(rank, world, port, out_path,
+              {name: (lambda c=case: c(model_path, pages)) for name, case in CASES.items()},
+              timeout_s=120)

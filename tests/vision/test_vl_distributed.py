@@ -4,38 +4,23 @@ single-process float64 reference on the global batch; query-side tuning too."""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import sys
 
 import pytest
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "distributed"))
 import vl_cases  # noqa: E402
+from dist_helpers import spawn_and_collect  # noqa: E402
 
 TOL = 1e-10
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, tiny_vl, page_images):
     out = tmp_path_factory.mktemp("vl_dist") / "results.json"
-    model = str(tiny_vl("qwen2_vl", dropout=0.1))
-    mp.spawn(vl_cases.worker, args=(2, _port(), str(out), model, page_images), nprocs=2,
-             join=True)
-    per_rank = json.loads(out.read_text())
-    for r in per_rank:
-        for name, res in r.items():
-            if "error" in res:
-                pytest.fail(f"case {name} failed on a rank:\n{res['error']}")
-    return per_rank
+    return spawn_and_collect(vl_cases.worker, out, str(tiny_vl("qwen2_vl", dropout=0.1)),
+                             page_images)
 
 
 def _record(value):

@@ -5,7 +5,8 @@ Imports transformers and peft lazily, so ``import bigbatch`` stays light.
 """
 
 from .loading import load_encoder
-from .text import FrozenDocTower, TextEncoder, default_lora_targets
+from .base import FrozenDocTower
+from .text import TextEncoder, default_lora_targets
 from .vision import VisionLanguageEncoder, is_vision_language_model
 
 __all__ = ["TextEncoder", "VisionLanguageEncoder", "FrozenDocTower", "default_lora_targets",

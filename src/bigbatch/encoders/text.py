@@ -19,9 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
+from .base import EncoderBase, pool
 
-__all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES", "FrozenDocTower",
-           "FrozenDocMixin"]
+__all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES"]
 
 POOLING_MODES = ("mean", "cls", "last")
 
@@ -65,18 +65,6 @@ def default_lora_targets(model_type: str) -> list[str]:
                       f"lora_target_modules (--lora-target-modules), e.g. q_proj,v_proj")
 
 
-def _pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
-    if mode == "mean":
-        m = mask.unsqueeze(-1).to(hidden.dtype)
-        return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
-    if mode == "cls":
-        return hidden[:, 0]
-    # last: the last non-padding token of each row, whichever side the padding is on
-    t = mask.shape[1]
-    idx = t - 1 - mask.flip(1).int().argmax(1)
-    return hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
-
-
 def _check_texts(items: Sequence[Any]) -> None:
     bad = next((x for x in items if not isinstance(x, str)), None)
     if bad is not None:
@@ -85,73 +73,7 @@ def _check_texts(items: Sequence[Any]) -> None:
                           f"Qwen3-VL)")
 
 
-class FrozenDocMixin:
-    """Query-side tuning for an encoder: documents embedded by the frozen initial weights.
-
-    With LoRA the frozen document tower is the model with its adapter disabled (no copy);
-    with full fine-tuning it is a frozen copy of the weights taken when
-    :meth:`use_base_doc_tower` is called. Saved folders record it, and ``encode(kind="doc")``
-    honours it, so retrieval after training embeds documents as training did.
-    """
-
-    doc_tower = "shared"
-    _doc_base: nn.Module | None = None
-    _doc_base_name: str | None = None
-
-    def use_base_doc_tower(self, base_model: str | os.PathLike | None = None) -> None:
-        """Embed documents with the frozen base weights from now on (call after ``.to()``).
-        ``base_model``: load them from this path instead of copying the current weights."""
-        import copy
-
-        self.doc_tower = "base"
-        if self.is_lora:
-            return
-        if base_model is not None:
-            from transformers import AutoModel
-
-            base = AutoModel.from_pretrained(str(base_model)).to(next(self.parameters()).device)
-            self._doc_base_name = str(base_model)
-        else:
-            base = copy.deepcopy(self.model)
-            self._doc_base_name = self.model_name
-        base.requires_grad_(False).eval()
-        object.__setattr__(self, "_doc_base", base)  # not a submodule: never trained or saved
-
-    @torch.no_grad()
-    def embed_doc_frozen(self, **inputs: Tensor) -> Tensor:
-        """Document embeddings from the frozen tower, without gradient, in eval mode."""
-        was = self.training
-        self.eval()
-        try:
-            if self._doc_base is not None:
-                return self._embed(self._doc_base, **inputs)
-            if self.is_lora:
-                with self.model.disable_adapter():
-                    return self._embed(self.model, **inputs)
-            return self._embed(self.model, **inputs)
-        finally:
-            self.train(was)
-
-    def frozen_doc_tower(self) -> "FrozenDocTower":
-        return FrozenDocTower(self)
-
-    def frozen_doc_meta(self) -> dict[str, Any]:
-        return {"doc_tower": self.doc_tower, "doc_base_model": self._doc_base_name}
-
-
-class FrozenDocTower(nn.Module):
-    """A GradCache tower that embeds documents with an encoder's frozen document tower. It
-    owns no parameters, so the engine embeds its chunks once, without gradient or replay."""
-
-    def __init__(self, encoder: FrozenDocMixin) -> None:
-        super().__init__()
-        object.__setattr__(self, "encoder", encoder)  # not registered: no parameters here
-
-    def forward(self, **inputs: Tensor) -> Tensor:
-        return self.encoder.embed_doc_frozen(**inputs)
-
-
-class TextEncoder(FrozenDocMixin, nn.Module):
+class TextEncoder(EncoderBase, nn.Module):
     """A Hugging Face encoder with pooling and L2 normalisation.
 
     Args:
@@ -200,10 +122,7 @@ class TextEncoder(FrozenDocMixin, nn.Module):
         if lora_r > 0:
             self._apply_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules)
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-            if lora_r > 0:
-                self.model.enable_input_require_grads()
+            self._enable_gradient_checkpointing()
 
     @classmethod
     def from_model(cls, model: nn.Module, tokenizer: Any, **kwargs: Any) -> "TextEncoder":
@@ -235,10 +154,6 @@ class TextEncoder(FrozenDocMixin, nn.Module):
             self.model = get_peft_model(self.model, config)
         except ValueError as e:
             raise ConfigError(f"LoRA target modules {targets} do not fit this model: {e}") from e
-
-    @property
-    def is_lora(self) -> bool:
-        return self.lora_r > 0
 
     # -------------------------------------------------------------- forward
     def tokenize(self, texts: Sequence[str], kind: str = "doc",
@@ -295,59 +210,26 @@ class TextEncoder(FrozenDocMixin, nn.Module):
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids
         hidden = model(**kwargs).last_hidden_state
-        emb = _pool(hidden, attention_mask, self.pooling)
+        emb = pool(hidden, attention_mask, self.pooling)
         return nn.functional.normalize(emb, dim=-1) if self.normalize else emb
 
-    @torch.no_grad()
     def encode(self, texts: Sequence[str], kind: str = "doc", batch_size: int = 64,
                device: torch.device | str | None = None, progress: str | None = None,
                autocast_dtype: torch.dtype | None = None) -> Tensor:
         """Embed ``texts`` in batches (longest first, so padding is small); returns float32
-        embeddings on the CPU in the input order."""
-        from .._progress import progress_bar
-
-        was_training = self.training
-        self.eval()
-        device = torch.device(device) if device is not None else next(self.parameters()).device
+        embeddings on the CPU in the input order. Documents go through the frozen document
+        tower in query-side-tune mode."""
         _check_texts(texts)
-        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-        out: list[Tensor] = []
-        bar = progress_bar(total=len(texts), desc=progress, unit="text") if progress else None
-        for lo in range(0, len(order), batch_size):
-            idx = order[lo:lo + batch_size]
-            batch = {k: v.to(device) for k, v in self.tokenize([texts[i] for i in idx], kind).items()}
-            ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else \
-                torch.autocast(device.type, enabled=False)
-            with ctx:
-                emb = self.embed_doc_frozen(**batch) if kind == "doc" and \
-                    self.doc_tower == "base" else self(**batch)
-                out.append(emb.float().cpu())
-            if bar is not None:
-                bar.update(len(idx))
-        if bar is not None:
-            bar.close()
-        self.train(was_training)
-        emb = torch.cat(out) if out else torch.empty(0, 0)
-        result = torch.empty_like(emb)
-        result[torch.tensor(order, dtype=torch.long)] = emb
-        return result
+        return self._encode(texts, kind, batch_size, device, progress, autocast_dtype,
+                            order=sorted(range(len(texts)), key=lambda i: -len(texts[i])),
+                            make_batch=self.tokenize, unit="text")
 
     # ----------------------------------------------------------------- saving
     def save(self, path: str | os.PathLike, merge_lora: bool = False) -> Path:
         """Write a folder that loads with ``SentenceTransformer(path)`` and with
         ``AutoModel.from_pretrained(path)`` (peft adapters load through transformers' peft
         integration, standard key layout), giving the same embeddings as this encoder."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # no "Writing model shards" bar for every checkpoint
-        model = self.model
-        if self.is_lora and merge_lora:
-            import copy
-            model = copy.deepcopy(model).merge_and_unload()
-        model.save_pretrained(path, safe_serialization=True)
-        self.tokenizer.save_pretrained(path)
+        path = self._save_model(path, merge_lora)
         dim = self.model.config.hidden_size
         modules = [{"idx": 0, "name": "0", "path": "", "type":
                     "sentence_transformers.models.Transformer"},
@@ -381,6 +263,3 @@ class TextEncoder(FrozenDocMixin, nn.Module):
             "lora": self.is_lora and not merge_lora, "base_model": self.model_name,
             **self.frozen_doc_meta()}, indent=2))
         return path
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from ..data.images import ImageDoc, load_image
 from ..errors import ConfigError, InputError
-from .text import FrozenDocMixin, _pool
+from .base import EncoderBase, pool
 
 __all__ = ["VisionLanguageEncoder", "VL_MODEL_TYPES", "QUERY_INSTRUCTION", "DOC_INSTRUCTION",
            "is_vision_language_model", "pixels_per_visual_token"]
@@ -73,7 +73,7 @@ def is_vision_language_model(path: str | os.PathLike) -> bool:
     return False
 
 
-class VisionLanguageEncoder(FrozenDocMixin, nn.Module):
+class VisionLanguageEncoder(EncoderBase, nn.Module):
     """Qwen2-VL / Qwen2.5-VL / Qwen3-VL as a bi-encoder (last-token pooling, L2 norm).
 
     Args:
@@ -142,10 +142,7 @@ class VisionLanguageEncoder(FrozenDocMixin, nn.Module):
         if lora_r > 0:
             self._apply_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules)
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-            if lora_r > 0:
-                self.model.enable_input_require_grads()
+            self._enable_gradient_checkpointing()
 
     # ------------------------------------------------------------ model parts
     def _core(self, model: nn.Module | None = None) -> nn.Module:
@@ -175,10 +172,6 @@ class VisionLanguageEncoder(FrozenDocMixin, nn.Module):
             raise ConfigError(f"LoRA target modules {targets or _LORA_TARGETS} do not fit this "
                               f"model: {e}") from e
         self.lora_r = r
-
-    @property
-    def is_lora(self) -> bool:
-        return self.lora_r > 0
 
     def reset_rope_state(self, model: nn.Module | None = None) -> None:
         """Forget the rope offsets the model cached from its last multimodal call."""
@@ -277,43 +270,19 @@ class VisionLanguageEncoder(FrozenDocMixin, nn.Module):
             hidden = model(**kwargs).last_hidden_state
         finally:
             self.reset_rope_state(model)
-        emb = _pool(hidden, attention_mask, "last")
+        emb = pool(hidden, attention_mask, "last")
         return nn.functional.normalize(emb, dim=-1) if self.normalize else emb
 
-    @torch.no_grad()
     def encode(self, items: Sequence[str | ImageDoc], kind: str = "doc", batch_size: int = 16,
                device: torch.device | str | None = None, progress: str | None = None,
                autocast_dtype: torch.dtype | None = None) -> Tensor:
         """Embed texts and/or images in batches; float32 embeddings on the CPU, input order.
         Documents go through the frozen document tower in query-side-tune mode."""
-        from .._progress import progress_bar
-
-        was_training = self.training
-        self.eval()
-        device = torch.device(device) if device is not None else next(self.parameters()).device
         # images first, then texts longest first: similar shapes share a batch
         order = sorted(range(len(items)), key=lambda i: (not isinstance(items[i], ImageDoc),
                                                          -len(str(items[i]))))
-        out: list[Tensor] = []
-        bar = progress_bar(total=len(items), desc=progress, unit="item") if progress else None
-        for lo in range(0, len(order), batch_size):
-            idx = order[lo:lo + batch_size]
-            batch = {k: v.to(device) for k, v in self.collate([items[i] for i in idx], kind).items()}
-            ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else \
-                torch.autocast(device.type, enabled=False)
-            with ctx:
-                emb = self.embed_doc_frozen(**batch) if kind == "doc" and self.doc_tower == "base" \
-                    else self(**batch)
-            out.append(emb.float().cpu())
-            if bar is not None:
-                bar.update(len(idx))
-        if bar is not None:
-            bar.close()
-        self.train(was_training)
-        emb = torch.cat(out) if out else torch.empty(0, 0)
-        result = torch.empty_like(emb)
-        result[torch.tensor(order, dtype=torch.long)] = emb
-        return result
+        return self._encode(items, kind, batch_size, device, progress, autocast_dtype,
+                            order=order, make_batch=self.collate, unit="item")
 
     # ----------------------------------------------------------------- saving
     def settings(self) -> dict[str, Any]:
@@ -339,17 +308,7 @@ class VisionLanguageEncoder(FrozenDocMixin, nn.Module):
         ``PeftModel.from_pretrained(AutoModel.from_pretrained(base), path)`` for an adapter;
         plus the tokenizer, the image processor (with the pixel budget) and
         ``bigbatch_encoder.json`` (instructions, pooling) for :func:`load_encoder`."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        model = self.model
-        if self.is_lora and merge_lora:
-            import copy
-            model = copy.deepcopy(model).merge_and_unload()
-        model.save_pretrained(path, safe_serialization=True)
-        self.tokenizer.save_pretrained(path)
+        path = self._save_model(path, merge_lora)
         import copy
         proc = copy.deepcopy(self.image_processor)
         lo, hi = self.pixel_budget
@@ -361,6 +320,3 @@ class VisionLanguageEncoder(FrozenDocMixin, nn.Module):
         meta.update(self.frozen_doc_meta())
         (path / "bigbatch_encoder.json").write_text(json.dumps(meta, indent=2))
         return path
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]

@@ -1,0 +1,162 @@
+"""What the text and vision-language encoders share: pooling, batched ``encode`` in input
+order, saving the (adapter or merged) weights and tokenizer, and query-side tuning's frozen
+document tower (:class:`EncoderBase`, :class:`FrozenDocTower`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["EncoderBase", "FrozenDocTower", "pool"]
+
+
+def pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
+    """Pool ``(rows, tokens, dim)`` hidden states by the attention mask: ``mean``, ``cls``
+    or ``last`` (the last non-padding token, whichever side the padding is on)."""
+    if mode == "mean":
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
+    if mode == "cls":
+        return hidden[:, 0]
+    # last: the last non-padding token of each row, whichever side the padding is on
+    t = mask.shape[1]
+    idx = t - 1 - mask.flip(1).int().argmax(1)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
+
+
+class EncoderBase:
+    """Shared encoder behaviour; subclasses set ``model``, ``tokenizer``, ``model_name``,
+    ``lora_r`` and implement ``_embed(model, **inputs)``.
+
+    Query-side tuning: documents embedded by the frozen initial weights.
+
+    With LoRA the frozen document tower is the model with its adapter disabled (no copy);
+    with full fine-tuning it is a frozen copy of the weights taken when
+    :meth:`use_base_doc_tower` is called. Saved folders record it, and ``encode(kind="doc")``
+    honours it, so retrieval after training embeds documents as training did.
+    """
+
+    doc_tower = "shared"
+    _doc_base: nn.Module | None = None
+    _doc_base_name: str | None = None
+
+    def use_base_doc_tower(self, base_model: str | os.PathLike | None = None) -> None:
+        """Embed documents with the frozen base weights from now on (call after ``.to()``).
+        ``base_model``: load them from this path instead of copying the current weights."""
+        import copy
+
+        self.doc_tower = "base"
+        if self.is_lora:
+            return
+        if base_model is not None:
+            from transformers import AutoModel
+
+            base = AutoModel.from_pretrained(str(base_model)).to(next(self.parameters()).device)
+            self._doc_base_name = str(base_model)
+        else:
+            base = copy.deepcopy(self.model)
+            self._doc_base_name = self.model_name
+        base.requires_grad_(False).eval()
+        object.__setattr__(self, "_doc_base", base)  # not a submodule: never trained or saved
+
+    @torch.no_grad()
+    def embed_doc_frozen(self, **inputs: Tensor) -> Tensor:
+        """Document embeddings from the frozen tower, without gradient, in eval mode."""
+        was = self.training
+        self.eval()
+        try:
+            if self._doc_base is not None:
+                return self._embed(self._doc_base, **inputs)
+            if self.is_lora:
+                with self.model.disable_adapter():
+                    return self._embed(self.model, **inputs)
+            return self._embed(self.model, **inputs)
+        finally:
+            self.train(was)
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora_r > 0
+
+    def _enable_gradient_checkpointing(self) -> None:
+        """Recompute activations in backward (non-reentrant, so it composes with the cache's
+        replay); under LoRA the frozen embeddings' outputs must still require grad."""
+        self.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.is_lora:
+            self.model.enable_input_require_grads()
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def _encode(self, items: Sequence[Any], kind: str, batch_size: int,
+                device: torch.device | str | None, progress: str | None,
+                autocast_dtype: torch.dtype | None, order: list[int],
+                make_batch: Callable[[list, str], dict[str, Tensor]], unit: str) -> Tensor:
+        """Embed ``items`` in batches taken in ``order``; float32 on the CPU, input order."""
+        from .._progress import progress_bar
+
+        was_training = self.training
+        self.eval()
+        device = torch.device(device) if device is not None else next(self.parameters()).device
+        out: list[Tensor] = []
+        bar = progress_bar(total=len(items), desc=progress, unit=unit) if progress else None
+        for lo in range(0, len(order), batch_size):
+            idx = order[lo:lo + batch_size]
+            batch = {k: v.to(device) for k, v in make_batch([items[i] for i in idx], kind).items()}
+            ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else \
+                torch.autocast(device.type, enabled=False)
+            with ctx:
+                emb = self.embed_doc_frozen(**batch) if kind == "doc" and \
+                    self.doc_tower == "base" else self(**batch)
+            out.append(emb.float().cpu())
+            if bar is not None:
+                bar.update(len(idx))
+        if bar is not None:
+            bar.close()
+        self.train(was_training)
+        emb = torch.cat(out) if out else torch.empty(0, 0)
+        result = torch.empty_like(emb)
+        result[torch.tensor(order, dtype=torch.long)] = emb
+        return result
+
+    def _save_model(self, path: str | os.PathLike, merge_lora: bool) -> Path:
+        """Write the weights (a peft adapter, or merged/full weights) and the tokenizer."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bar for every checkpoint
+        model = self.model
+        if self.is_lora and merge_lora:
+            import copy
+            model = copy.deepcopy(model).merge_and_unload()
+        model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        return path
+
+    def frozen_doc_tower(self) -> "FrozenDocTower":
+        return FrozenDocTower(self)
+
+    def frozen_doc_meta(self) -> dict[str, Any]:
+        return {"doc_tower": self.doc_tower, "doc_base_model": self._doc_base_name}
+
+
+class FrozenDocTower(nn.Module):
+    """A GradCache tower that embeds documents with an encoder's frozen document tower. It
+    owns no parameters, so the engine embeds its chunks once, without gradient or replay."""
+
+    def __init__(self, encoder: EncoderBase) -> None:
+        super().__init__()
+        object.__setattr__(self, "encoder", encoder)  # not registered: no parameters here
+
+    def forward(self, **inputs: Tensor) -> Tensor:
+        return self.encoder.embed_doc_frozen(**inputs)
+
+
