@@ -105,11 +105,13 @@ def test_text_after_image_equals_text_alone(tiny_vl, page_images, family):
 
 def test_embeddings_do_not_depend_on_batch_padding(tiny_vl, page_images):
     enc = VisionLanguageEncoder(tiny_vl("qwen3_vl"), max_num_visual_tokens=12).to(DT).eval()
-    docs = [ImageDoc(page_images[1]), "short text", ImageDoc(page_images[6])]
+    docs = [ImageDoc(page_images[1]), "short text", ImageDoc(page_images[6]),
+            ImageDoc(page_images[6], text="a caption beside the page")]  # image and text
     with torch.no_grad():
         together = enc(**enc.collate(docs, "doc"))
         single = torch.cat([enc(**enc.collate([d], "doc")) for d in docs])
     assert (together - single).abs().max() < 1e-12
+    assert (together[2] - together[3]).abs().max() > 1e-4  # the text beside the page counts
 
 
 def test_pixel_budget_follows_the_family(tiny_vl, page_images):
