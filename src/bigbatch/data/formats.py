@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
+from .images import ImageDoc
 
 __all__ = ["Doc", "Record", "FORMATS", "read_records", "write_records", "detect_format",
            "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION", "Problem"]
@@ -46,6 +47,7 @@ class Doc:
     image: str | None = None
     path: str | None = None  # a text file (contrastors chunk_path that is not an image)
     id: str | None = None
+    key: str | None = field(default=None, compare=False)  # the source field, for messages
 
     @property
     def kind(self) -> str:
@@ -133,8 +135,8 @@ def _contrastors_doc(v: Any, key: str, where: tuple[str, int], problems: list[Pr
                                 ("path" if as_path else "text")))
         return None
     if not as_path:
-        return Doc(text=v)
-    return Doc(image=v) if _is_image(v) else Doc(path=v)
+        return Doc(text=v, key=key)
+    return Doc(image=v, key=key) if _is_image(v) else Doc(path=v, key=key)
 
 
 def _read_contrastors(path: Path, problems: list[Problem]) -> list[Record]:
@@ -166,8 +168,8 @@ def _read_contrastors(path: Path, problems: list[Problem]) -> list[Record]:
             pid = rec.get("positive_id")
             nids = rec.get("negative_ids") or [None] * len(negs)
             if pid is not None:
-                pos = Doc(pos.text, pos.image, pos.path, str(pid))
-            negs = [Doc(d.text, d.image, d.path, None if i is None else str(i))
+                pos = Doc(pos.text, pos.image, pos.path, str(pid), pos.key)
+            negs = [Doc(d.text, d.image, d.path, None if i is None else str(i), d.key)
                     for d, i in zip(negs, nids)] if len(nids) == len(negs) else negs
             out.append(Record(q, pos, negs, None if qid is None else str(qid), n, str(path)))
     return out
@@ -272,7 +274,10 @@ def _read_beir(path: Path, problems: list[Problem], split: str) -> list[Record]:
     for qid, rels in data.qrels.items():
         for did, score in rels.items():
             if score > 0:
-                out.append(Record(data.queries[qid], Doc(text=data.corpus[did], id=did), [], qid,
+                doc = data.corpus[did]
+                doc = Doc(image=doc.path, id=did) if isinstance(doc, ImageDoc) else \
+                    Doc(text=doc, id=did)
+                out.append(Record(data.queries[qid], doc, [], qid,
                                   0, str(path)))
     return out
 

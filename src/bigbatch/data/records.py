@@ -14,9 +14,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import DataError
-from .images import IMAGE_SUFFIXES, ImageDoc, check_image
+from .images import ImageDoc, check_image
+
+if TYPE_CHECKING:
+    from .formats import Doc
 
 __all__ = ["TrainRecord", "load_jsonl_records", "load_records"]
 
@@ -46,27 +50,28 @@ def text_id(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
 
 
-def _read_doc_file(value: object, base: Path, where: dict,
-                   problems: list[str]) -> str | ImageDoc | None:
-    """A text file's text, or an :class:`ImageDoc` for a readable image; None on a problem."""
-    if not isinstance(value, str) or not value.strip():
-        problems.append(_fmt(where, "must be a non-empty path string"))
-        return None
-    p = Path(value)
-    p = p if p.is_absolute() else base / p
-    if p.suffix.lower() in IMAGE_SUFFIXES:
-        why = check_image(p)
+def _resolve(doc: "Doc", base: Path, path: Path, line: int,
+             problems: list[str]) -> str | ImageDoc | None:
+    """A parsed document as training input: its text, the text of its file, or an
+    :class:`ImageDoc` for a readable image; None (and a problem) otherwise."""
+    if doc.text is not None:
+        return doc.text
+    ref = Path(doc.image or doc.path or "")
+    full = ref if ref.is_absolute() else base / ref
+    where = {"path": str(path), "line": line, "field": doc.key}
+    if doc.image is not None:
+        why = check_image(full)
         if why is not None:
             problems.append(_fmt(where, why))
             return None
-        return ImageDoc(str(p.resolve()))
+        return ImageDoc(str(full.resolve()))
     try:
-        text = p.read_text(encoding="utf-8")
+        text = full.read_text(encoding="utf-8")
     except OSError as e:
-        problems.append(_fmt(where, f"cannot read {str(p)!r}: {e.strerror or e}"))
+        problems.append(_fmt(where, f"cannot read {str(full)!r}: {e.strerror or e}"))
         return None
     if not text.strip():
-        problems.append(_fmt(where, f"{str(p)!r} is empty"))
+        problems.append(_fmt(where, f"{str(full)!r} is empty"))
         return None
     return text
 
@@ -76,70 +81,41 @@ def _fmt(where: dict, msg: str) -> str:
 
 
 def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
-    """Load and validate a JSONL file of training records.
+    """Load and validate a JSONL file of training records (parsed by the ``contrastors``
+    reader of :mod:`bigbatch.data.formats`, then each document file read or checked).
 
     Raises:
         DataError: listing every problem (up to 20 shown, with the total) by file, line, field.
     """
+    from .formats import _read_contrastors
+
     path = Path(path)
     if not path.exists():
         raise DataError("training data file not found", path=str(path))
-    base = path.parent
+    found: list = []
+    parsed = _read_contrastors(path, found)
+    problems = [str(p) for p in found]
     records: list[TrainRecord] = []
-    problems: list[str] = []
-    from .jsonl import iter_jsonl
-
-    for n, rec, problem in iter_jsonl(path):
-        if problem is not None:
-            problems.append(str(DataError(problem, path=str(path), line=n)))
+    for r in parsed:
+        positive = _resolve(r.positive, path.parent, path, r.line, problems)
+        negatives = [d for d in (_resolve(n, path.parent, path, r.line, problems)
+                                 for n in r.negatives) if d is not None]
+        if positive is None:
             continue
-        where = {"path": str(path), "line": n, "field": "query"}
-        query = rec.get("query")
-        if not isinstance(query, str) or not query.strip():
-            problems.append(_fmt(where, "missing or empty query"))
-            query = None
-        positive, positive_id = None, ""
-        if "positive" in rec:
-            where["field"] = "positive"
-            if isinstance(rec["positive"], str) and rec["positive"].strip():
-                positive = rec["positive"]
-            else:
-                problems.append(_fmt(where, "must be non-empty text"))
-        elif "chunk_path" in rec:
-            where["field"] = "chunk_path"
-            positive = _read_doc_file(rec["chunk_path"], base, where, problems)
-            positive_id = positive.path if isinstance(positive, ImageDoc) else str(rec["chunk_path"])
+        if positive in negatives:
+            problems.append(_fmt({"path": str(path), "line": r.line, "field": "negatives"},
+                                 "a negative equals the positive"))
+            continue
+        if r.positive.id is not None:
+            positive_id = r.positive.id
+        elif r.positive.path is not None:
+            positive_id = r.positive.path  # the text file's path as written
         else:
-            where["field"] = "positive"
-            problems.append(_fmt(where, "missing positive: give 'positive' text or "
-                                        "'chunk_path'"))
-        negatives: list[str | ImageDoc] = []
-        for key in ("negatives", "neg_chunk_paths"):
-            if key not in rec:
-                continue
-            values = rec[key]
-            if not isinstance(values, list):
-                where["field"] = key
-                problems.append(_fmt(where, "must be a list"))
-                continue
-            for i, v in enumerate(values):
-                where["field"] = f"{key}[{i}]"
-                if key == "negatives":
-                    if isinstance(v, str) and v.strip():
-                        negatives.append(v)
-                    else:
-                        problems.append(_fmt(where, "must be non-empty text"))
-                else:
-                    doc = _read_doc_file(v, base, where, problems)
-                    if doc is not None:
-                        negatives.append(doc)
-        if query is not None and positive is not None:
-            if positive in negatives:
-                where["field"] = "negatives"
-                problems.append(_fmt(where, "a negative equals the positive"))
-            records.append(TrainRecord(query=query, positive=positive, negatives=negatives,
-                                       positive_id=positive_id, source=str(path), line=n,
-                                       query_id=str(rec.get("query_id", rec.get("id", "")))))
+            positive_id = ""  # a text hash or the image's path (TrainRecord decides)
+        records.append(TrainRecord(query=r.query, positive=positive, negatives=negatives,
+                                   positive_id=positive_id, source=str(path), line=r.line,
+                                   query_id=r.query_id or ""))
+    problems.sort(key=_line_of)
     if problems:
         shown = "\n  ".join(problems[:MAX_REPORTED])
         more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
@@ -147,6 +123,15 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
     if not records:
         raise DataError("no training records", path=str(path))
     return records
+
+
+def _line_of(problem: str) -> int:
+    """Sort key: the line number in ``file:line, ...`` (problems are reported in file order)."""
+    head = problem.split(",", 1)[0].split(": ", 1)[0]
+    try:
+        return int(head.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return 0
 
 
 def load_records(source: str | Path, split: str = "train", num_hard_negatives: int = 0) -> list[TrainRecord]:
