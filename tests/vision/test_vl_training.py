@@ -94,18 +94,27 @@ def test_train_evaluate_save_and_resume_exactly(tiny_vl, pages, tmp_path):
         assert abs(la[s] - lb[s]) <= 1e-6, (s, la[s], lb[s])
 
 
-def test_command_line_query_side_tune_with_corpus_negatives(tiny_vl, pages, tmp_path, capsys):
+def test_command_line_query_side_tune_with_corpus_negatives(tiny_vl, pages, tmp_path, capsys,
+                                                           monkeypatch):
+    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "cache"))
     model = tiny_vl("qwen2_vl")
     out = tmp_path / "run"
-    code = main(["train", "--model", str(model), "--train-data", str(pages),
-                 "--eval-data", str(pages), "--output-dir", str(out), "--batch-size", "4",
-                 "--grad-cache-chunk", "2", "--max-steps", "2", "--warmup-steps", "1",
-                 "--lora-r", "4", "--max-num-visual-tokens", "16", "--mode", "query-side-tune",
-                 "--doc-negatives", "corpus", "--query-side-backward", "gradcache",
-                 "--eval-batch-size", "8", "--save-steps", "0"])
+    argv = ["train", "--model", str(model), "--train-data", str(pages),
+            "--eval-data", str(pages), "--output-dir", str(out), "--batch-size", "4",
+            "--grad-cache-chunk", "2", "--max-steps", "2", "--warmup-steps", "1",
+            "--lora-r", "4", "--max-num-visual-tokens", "16", "--mode", "query-side-tune",
+            "--doc-negatives", "corpus", "--query-side-backward", "gradcache",
+            "--eval-batch-size", "8", "--save-steps", "0"]
+    code = main(argv)
     text = capsys.readouterr().out
     assert code == 0, text
     assert "query-side-tune (gradcache backward, corpus negatives:" in text
+    cached = list((tmp_path / "cache" / "embeddings").glob("corpus-*.pt"))
+    assert len(cached) == 1
+    # a second run (or a resume) loads the frozen tower's corpus embeddings
+    assert main(argv[:argv.index("--output-dir") + 1] + [str(tmp_path / "again")]
+                + argv[argv.index("--output-dir") + 2:]) == 0
+    assert f"training corpus embeddings loaded from {cached[0]}" in capsys.readouterr().out
     meta = json.loads((out / "final" / "bigbatch_encoder.json").read_text())
     assert meta["doc_tower"] == "base"
     from bigbatch.encoders import load_encoder

@@ -7,6 +7,7 @@ checkpoints with exact resume, and cross-device negatives under torchrun.
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -130,9 +131,45 @@ class _FixedCorpus:
         for r in records:
             self.positives.setdefault(r.query_id or r.query, set()).add(index[r.positive_id])
         self._query_key = {r.query: r.query_id or r.query for r in records}
-        emb = encoder.encode(items, kind="doc", batch_size=config.eval_batch_size, device=device,
-                             progress="embed training corpus" if info.is_main else None)
+        self.cache_file = self._cache_file(encoder, items)
+        emb = None
+        if not self.cache_file.exists() and info.is_main:
+            emb = encoder.encode(items, kind="doc", batch_size=config.eval_batch_size,
+                                 device=device, progress="embed training corpus")
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.cache_file.with_suffix(f".tmp{os.getpid()}")
+            torch.save({"ids": self.ids, "emb": emb}, tmp)
+            tmp.replace(self.cache_file)  # atomic: a reader never sees half a file
+        elif self.cache_file.exists() and info.is_main:
+            print(f"training corpus embeddings loaded from {self.cache_file}", flush=True)
+        _barrier(info)
+        if emb is None and self.cache_file.exists():
+            blob = torch.load(self.cache_file, weights_only=False)
+            if blob["ids"] == self.ids:
+                emb = blob["emb"]
+        if emb is None:  # another node's cache, or a stale file: embed here
+            emb = encoder.encode(items, kind="doc", batch_size=config.eval_batch_size,
+                                 device=device)
         self.emb = emb.to(device)
+
+    def _cache_file(self, encoder: Any, items: list[Any]) -> Path:
+        """Where the frozen tower's corpus embeddings are kept between runs (and resumes):
+        keyed by the encoder (files and settings) and every document (text hash, or image
+        path, size and modification time)."""
+        import hashlib
+        import json
+
+        from ..data.corpus import default_cache_dir, encoder_key
+        from ..data.images import ImageDoc, doc_key
+
+        h = hashlib.sha256(json.dumps(encoder_key(encoder), sort_keys=True,
+                                      default=str).encode())
+        for did, doc in zip(self.ids, items):
+            h.update(did.encode() + b"\0" + doc_key(doc).encode() + b"\0")
+            if isinstance(doc, ImageDoc):
+                st = os.stat(doc.path)
+                h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+        return default_cache_dir() / "embeddings" / f"corpus-{h.hexdigest()[:24]}.pt"
 
     def targets(self, batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
         pos = [self.index[i] for i in batch.doc_ids]
