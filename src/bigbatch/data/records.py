@@ -14,13 +14,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..errors import DataError
+from .formats import Doc, Problem, _read_contrastors
 from .images import ImageDoc, check_image
-
-if TYPE_CHECKING:
-    from .formats import Doc
 
 __all__ = ["TrainRecord", "load_jsonl_records", "load_records"]
 
@@ -50,34 +47,30 @@ def text_id(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
 
 
-def _resolve(doc: "Doc", base: Path, path: Path, line: int,
-             problems: list[str]) -> str | ImageDoc | None:
+def _resolve(doc: Doc, base: Path, path: Path, line: int,
+             problems: list[Problem]) -> str | ImageDoc | None:
     """A parsed document as training input: its text, the text of its file, or an
     :class:`ImageDoc` for a readable image; None (and a problem) otherwise."""
     if doc.text is not None:
         return doc.text
     ref = Path(doc.image or doc.path or "")
     full = ref if ref.is_absolute() else base / ref
-    where = {"path": str(path), "line": line, "field": doc.key}
     if doc.image is not None:
         why = check_image(full)
         if why is not None:
-            problems.append(_fmt(where, why))
+            problems.append(Problem(str(path), line, doc.key, why))
             return None
         return ImageDoc(str(full.resolve()))
     try:
         text = full.read_text(encoding="utf-8")
     except OSError as e:
-        problems.append(_fmt(where, f"cannot read {str(full)!r}: {e.strerror or e}"))
+        problems.append(Problem(str(path), line, doc.key,
+                                f"cannot read {str(full)!r}: {e.strerror or e}"))
         return None
     if not text.strip():
-        problems.append(_fmt(where, f"{str(full)!r} is empty"))
+        problems.append(Problem(str(path), line, doc.key, f"{str(full)!r} is empty"))
         return None
     return text
-
-
-def _fmt(where: dict, msg: str) -> str:
-    return str(DataError(msg, path=where["path"], line=where["line"], field=where["field"]))
 
 
 def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
@@ -87,14 +80,11 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
     Raises:
         DataError: listing every problem (up to 20 shown, with the total) by file, line, field.
     """
-    from .formats import _read_contrastors
-
     path = Path(path)
     if not path.exists():
         raise DataError("training data file not found", path=str(path))
-    found: list = []
-    parsed = _read_contrastors(path, found)
-    problems = [str(p) for p in found]
+    problems: list[Problem] = []
+    parsed = _read_contrastors(path, problems)
     records: list[TrainRecord] = []
     for r in parsed:
         positive = _resolve(r.positive, path.parent, path, r.line, problems)
@@ -103,8 +93,8 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
         if positive is None:
             continue
         if positive in negatives:
-            problems.append(_fmt({"path": str(path), "line": r.line, "field": "negatives"},
-                                 "a negative equals the positive"))
+            problems.append(Problem(str(path), r.line, "negatives",
+                                    "a negative equals the positive"))
             continue
         if r.positive.id is not None:
             positive_id = r.positive.id
@@ -115,23 +105,14 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
         records.append(TrainRecord(query=r.query, positive=positive, negatives=negatives,
                                    positive_id=positive_id, source=str(path), line=r.line,
                                    query_id=r.query_id or ""))
-    problems.sort(key=_line_of)
+    problems.sort(key=lambda p: p.line or 0)  # file order (stable within a line)
     if problems:
-        shown = "\n  ".join(problems[:MAX_REPORTED])
+        shown = "\n  ".join(str(p) for p in problems[:MAX_REPORTED])
         more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
         raise DataError(f"{len(problems)} problem(s) in the training data:\n  {shown}{more}")
     if not records:
         raise DataError("no training records", path=str(path))
     return records
-
-
-def _line_of(problem: str) -> int:
-    """Sort key: the line number in ``file:line, ...`` (problems are reported in file order)."""
-    head = problem.split(",", 1)[0].split(": ", 1)[0]
-    try:
-        return int(head.rsplit(":", 1)[1])
-    except (IndexError, ValueError):
-        return 0
 
 
 def load_records(source: str | Path, split: str = "train", num_hard_negatives: int = 0) -> list[TrainRecord]:
