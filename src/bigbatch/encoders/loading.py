@@ -52,19 +52,32 @@ def _load_vision_language(path: Path, meta: dict[str, Any], overrides: dict[str,
 
     settings = {k: meta[k] for k in _VL_KEYS if k in meta}
     settings.update({k: v for k, v in overrides.items() if v is not None and k in _VL_KEYS})
-    if meta.get("lora") or (path / "adapter_config.json").exists():
-        from peft import PeftModel
-
-        base = meta.get("base_model") or json.loads(
-            (path / "adapter_config.json").read_text())["base_model_name_or_path"]
+    if _is_adapter(path, meta):
         settings["freeze_vision"] = True  # a trained vision tower comes with the adapter
-        enc = VisionLanguageEncoder(base, **settings)
-        enc.model = PeftModel.from_pretrained(enc.model, str(path))
-        enc.lora_r = enc.model.peft_config["default"].r
-        enc.model_name = str(path)
+        enc = _attach_adapter(VisionLanguageEncoder(_adapter_base(path, meta), **settings), path)
     else:
         enc = VisionLanguageEncoder(path, **settings)
     _restore_doc_tower(enc, meta)
+    return enc
+
+
+def _is_adapter(path: Path, meta: dict[str, Any]) -> bool:
+    return bool(meta.get("lora")) or (path / "adapter_config.json").exists()
+
+
+def _adapter_base(path: Path, meta: dict[str, Any]) -> str:
+    """The base model an adapter folder was trained on."""
+    return meta.get("base_model") or json.loads(
+        (path / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+
+def _attach_adapter(enc: Any, path: Path) -> Any:
+    """Load the peft adapter in ``path`` onto the encoder's base model (standard keys)."""
+    from peft import PeftModel
+
+    enc.model = PeftModel.from_pretrained(enc.model, str(path))
+    enc.lora_r = enc.model.peft_config["default"].r
+    enc.model_name = str(path)
     return enc
 
 
@@ -97,15 +110,8 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
         if key in meta:
             settings[key] = meta[key]
     settings.update({k: v for k, v in overrides.items() if v is not None})
-    if meta.get("lora") or (path / "adapter_config.json").exists():
-        from peft import PeftModel
-
-        base = meta.get("base_model") or json.loads(
-            (path / "adapter_config.json").read_text())["base_model_name_or_path"]
-        enc = TextEncoder(base, **settings)
-        enc.model = PeftModel.from_pretrained(enc.model, str(path))
-        enc.lora_r = enc.model.peft_config["default"].r
-        enc.model_name = str(path)
+    if _is_adapter(path, meta):
+        enc = _attach_adapter(TextEncoder(_adapter_base(path, meta), **settings), path)
         _restore_doc_tower(enc, meta)
         return enc
     if not (path / "config.json").exists():
