@@ -18,7 +18,8 @@ import torch
 
 from ..errors import DataError
 
-__all__ = ["iter_corpus", "corpus_texts", "embed_corpus", "default_cache_dir", "encoder_key"]
+__all__ = ["iter_corpus", "corpus_texts", "embed_corpus", "default_cache_dir", "encoder_key",
+           "save_embeddings", "load_embeddings"]
 
 
 def default_cache_dir() -> Path:
@@ -96,9 +97,9 @@ def embed_corpus(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
                                                     _files_key(corpus_path)]},
                                         sort_keys=True, default=str).encode()).hexdigest()[:24]
         cache = Path(cache_dir) / "embeddings" / f"{key}.pt"
-    if cache is not None and cache.exists():
-        blob = torch.load(cache, weights_only=False)
-        return blob["ids"], blob["emb"]
+    cached = load_embeddings(cache) if cache is not None else None
+    if cached is not None:
+        return cached
     ids: list[str] = []
     parts: list[torch.Tensor] = []
     bar = progress_bar(desc="embed corpus", unit="doc") if progress else None
@@ -112,8 +113,24 @@ def embed_corpus(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
         bar.close()
     emb = torch.cat(parts) if parts else torch.empty(0, 0)
     if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
-        torch.save({"ids": ids, "emb": emb}, tmp)
-        tmp.replace(cache)
+        save_embeddings(cache, ids, emb)
     return ids, emb
+
+
+def save_embeddings(path: Path, ids: list[str], emb: torch.Tensor) -> None:
+    """Write (ids, embeddings) atomically: a temporary file of this process, renamed into
+    place, so a reader (another rank, a later run) never sees half a file."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save({"ids": ids, "emb": emb}, tmp)
+    tmp.replace(path)
+
+
+def load_embeddings(path: Path) -> tuple[list[str], torch.Tensor] | None:
+    """(ids, embeddings) written by :func:`save_embeddings`, or None when there is none."""
+    if not path.exists():
+        return None
+    blob = torch.load(path, weights_only=False)
+    return blob["ids"], blob["emb"]

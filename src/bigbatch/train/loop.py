@@ -131,22 +131,20 @@ class _FixedCorpus:
         for r in records:
             self.positives.setdefault(r.query_id or r.query, set()).add(index[r.positive_id])
         self._query_key = {r.query: r.query_id or r.query for r in records}
+        from ..data.corpus import load_embeddings, save_embeddings
+
         self.cache_file = self._cache_file(encoder, items)
         emb = None
         if not self.cache_file.exists() and info.is_main:
             emb = encoder.encode(items, kind="doc", batch_size=config.eval_batch_size,
                                  device=device, progress="embed training corpus")
-            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.cache_file.with_suffix(f".tmp{os.getpid()}")
-            torch.save({"ids": self.ids, "emb": emb}, tmp)
-            tmp.replace(self.cache_file)  # atomic: a reader never sees half a file
+            save_embeddings(self.cache_file, self.ids, emb)
         elif self.cache_file.exists() and info.is_main:
             print(f"training corpus embeddings loaded from {self.cache_file}", flush=True)
         _barrier(info)
-        if emb is None and self.cache_file.exists():
-            blob = torch.load(self.cache_file, weights_only=False)
-            if blob["ids"] == self.ids:
-                emb = blob["emb"]
+        cached = load_embeddings(self.cache_file) if emb is None else None
+        if cached is not None and cached[0] == self.ids:
+            emb = cached[1]
         if emb is None:  # another node's cache, or a stale file: embed here
             emb = encoder.encode(items, kind="doc", batch_size=config.eval_batch_size,
                                  device=device)
