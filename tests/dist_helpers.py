@@ -50,11 +50,12 @@ def spawn_and_collect(worker: Callable, out_path, *args) -> list[dict]:
 
     try:
         mp.spawn(worker, args=(2, free_port(), str(out_path), *args), nprocs=2, join=True)
-    except mp.ProcessRaisedException as e:
-        # the port is free when picked but may be taken before the ranks bind it: retry
-        # once on a new port for that failure only (a failing case is reported, not raised)
-        if "address already in use" not in str(e).lower() and "EADDRINUSE" not in str(e):
-            raise
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        # seen under the full suite: a rank aborting while the gloo group forms ("terminate
+        # called without an active exception"), or the picked port taken before the ranks
+        # bind it. Retry once on a new port; a case that fails is reported in the results
+        # (never raised), so a deterministic failure still fails on the second spawn.
+        print(f"spawn failed ({e}); retrying once on a new port")
         mp.spawn(worker, args=(2, free_port(), str(out_path), *args), nprocs=2, join=True)
     with open(out_path) as f:
         per_rank = json.load(f)
