@@ -25,8 +25,30 @@ def test_seed_format_with_chunk_paths(tmp_path):
     ])
     recs = load_records(f, num_hard_negatives=1)
     assert recs[0].positive == "positive passage" and recs[0].negatives == ["negative one"]
-    assert recs[0].positive_id == "p.txt" and recs[0].line == 1
+    from bigbatch.data.images import doc_key
+    assert recs[0].positive_id == doc_key("positive passage") == recs[0].positive_key
+    assert recs[0].line == 1
     assert recs[1].negatives == ["neg a", "neg b"]
+
+
+def test_one_passage_has_one_id_however_records_name_it(tmp_path):
+    """A passage that is one record's positive (by corpus id, by file, or by text) and another
+    record's hard negative carries the same id in a batch, so the loss masks it rather than
+    pushing a query away from its own positive (mined data names positives by corpus id)."""
+    (tmp_path / "p.txt").write_text("shared passage")
+    f = write(tmp_path / "t.jsonl", [
+        {"query": "q1", "positive": "shared passage", "positive_id": "d7",
+         "negatives": ["other one"], "negative_ids": ["d9"]},
+        {"query": "q2", "chunk_path": "p.txt", "negatives": ["another"]},
+        {"query": "q3", "positive": "third passage", "negatives": ["shared passage"]},
+    ])
+    recs = load_records(f, num_hard_negatives=1)
+    assert recs[0].positive_id == "d7"  # the corpus id is kept as the name
+    batch = EpochBatches(recs, batch_size=3, num_hard_negatives=1).batch(0, 0)
+    shared = [i for d, i in zip(batch.docs, batch.doc_ids) if d == "shared passage"]
+    assert len(shared) == 3 and len(set(shared)) == 1  # q1's and q2's positive, q3's negative
+    others = [i for d, i in zip(batch.docs, batch.doc_ids) if d != "shared passage"]
+    assert shared[0] not in others
 
 
 def test_every_problem_reported_with_file_line_field(tmp_path):
@@ -80,3 +102,36 @@ def test_epoch_batches_deterministic_and_sharded():
     assert full.batch(4, 1).queries != b.queries or full.batch(4, 1).docs != b.docs
     it = full.iterate(0, 1)
     assert [(x.epoch, x.index) for x in (next(it), next(it), next(it))] == [(0, 1), (1, 0), (1, 1)]
+
+
+def test_query_side_corpus_holds_each_passage_once(tmp_path, monkeypatch):
+    """Query-side tuning against the corpus: a passage named by corpus id as one record's
+    positive and written out as another's negative is one corpus row, and the row is that
+    record's positive (a second row would be a false negative in CorpusInfoNCE)."""
+    import torch
+
+    from bigbatch.distributed import WorldInfo
+    from bigbatch.encoders import TextEncoder
+    from bigbatch.train import TrainConfig
+    from bigbatch.train.loop import _FixedCorpus
+    from pipeline_helpers import tiny_bert
+
+    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "cache"))
+    f = write(tmp_path / "t.jsonl", [
+        {"query": "q1", "positive": "shared passage", "positive_id": "d7"},
+        {"query": "q2", "positive": "second passage", "negatives": ["shared passage", "x y"]},
+        {"query": "q1", "positive": "third passage"},  # q1 has two positives
+    ])
+    recs = load_records(f)
+    config = TrainConfig(model="unused", train_data=str(f), output_dir=str(tmp_path / "o"),
+                         mode="query-side-tune", doc_negatives="corpus")
+    enc = TextEncoder(tiny_bert(tmp_path / "bert"), max_length=16).eval()
+    corpus = _FixedCorpus(config, recs, enc, torch.device("cpu"), WorldInfo())
+    assert len(corpus.ids) == 4 and corpus.emb.shape[0] == 4  # shared, second, x y, third
+    batch = EpochBatches(recs, batch_size=3).batch(0, 0)
+    t = corpus.targets(batch, torch.device("cpu"))
+    pos_of = {d: int(i) for d, i in zip(batch.docs, t["positive_index"])}
+    assert pos_of["shared passage"] == 0 and corpus.ids[0] == "d7"  # one row, named by id
+    # each q1 row masks q1's other positive, and nothing else is masked
+    other = sorted((batch.queries[r], c) for r, c in t["other_positives"].tolist())
+    assert other == sorted([("q1", pos_of["third passage"]), ("q1", pos_of["shared passage"])])

@@ -23,7 +23,9 @@ __all__ = ["EpochBatches", "Batch"]
 
 @dataclass
 class Batch:
-    """One local batch: queries, documents laid out [pos, neg_1..neg_k] per query, doc ids."""
+    """One local batch: queries, documents laid out [pos, neg_1..neg_k] per query, and each
+    document's content key (text hash or image path) as its id, so a passage that is one
+    record's positive and another's negative carries the same id in both places."""
 
     queries: list[str]
     docs: list[str | ImageDoc]
@@ -58,7 +60,7 @@ class EpochBatches:
             r = self.records[i]
             queries.append(r.query)
             docs.append(r.positive)
-            ids.append(r.positive_id)
+            ids.append(r.positive_key)
             if self.k:
                 negs = r.negatives
                 if len(negs) > self.k:

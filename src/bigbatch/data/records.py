@@ -26,8 +26,10 @@ MAX_REPORTED = 20
 
 @dataclass
 class TrainRecord:
-    """One training example. ``positive_id`` identifies the positive document (corpus id, file
-    path or a text hash) so the same passage twice in a batch is not a negative."""
+    """One training example. ``positive_id`` names the positive document (its corpus id when
+    the data gives one, else its content key). ``positive_key`` is its content key (a text
+    hash, or an image's path), the identity negatives are compared by: the same passage
+    twice in a batch is never a negative, however each record named it."""
 
     query: str
     positive: str | ImageDoc
@@ -36,11 +38,14 @@ class TrainRecord:
     source: str = ""
     line: int = 0
     query_id: str = ""
+    positive_key: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        from .images import doc_key
+
+        self.positive_key = doc_key(self.positive)
         if not self.positive_id:
-            from .images import doc_key
-            self.positive_id = doc_key(self.positive)
+            self.positive_id = self.positive_key
 
 
 def text_id(text: str) -> str:
@@ -96,12 +101,7 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
             problems.append(Problem(str(path), r.line, "negatives",
                                     "a negative equals the positive"))
             continue
-        if r.positive.id is not None:
-            positive_id = r.positive.id
-        elif r.positive.path is not None:
-            positive_id = r.positive.path  # the text file's path as written
-        else:
-            positive_id = ""  # a text hash or the image's path (TrainRecord decides)
+        positive_id = r.positive.id or ""  # else its content key (TrainRecord decides)
         records.append(TrainRecord(query=r.query, positive=positive, negatives=negatives,
                                    positive_id=positive_id, source=str(path), line=r.line,
                                    query_id=r.query_id or ""))

@@ -110,26 +110,28 @@ class _FixedCorpus:
 
         items: list[Any] = []
         self.ids: list[str] = []
-        index: dict[str, int] = {}
+        rows: dict[str, list[int]] = {}  # content key -> the corpus rows holding that content
         root = Path(config.train_data)
         if root.is_dir():
             from ..data.beir import load_beir
 
             for did, doc in load_beir(root, config.train_split).corpus.items():
-                index[did] = len(items)
+                rows.setdefault(doc_key(doc), []).append(len(items))
                 self.ids.append(did)
                 items.append(doc)
         for r in records:
-            for key, doc in [(r.positive_id, r.positive)] + [(doc_key(n), n) for n in r.negatives]:
-                if key not in index:
-                    index[key] = len(items)
-                    self.ids.append(key)
+            for doc in [r.positive] + r.negatives:
+                key = doc_key(doc)
+                if key not in rows:
+                    rows[key] = [len(items)]
+                    self.ids.append(r.positive_id if doc is r.positive else key)
                     items.append(doc)
-        self.index = index
-        # every positive of a query (by id, else by text) is masked out of its negatives
+        self.rows = rows
+        # every row holding a positive of the query (by query id, else by text) is masked out
+        # of its negatives, so is a duplicate of it under another corpus id
         self.positives: dict[str, set[int]] = {}
         for r in records:
-            self.positives.setdefault(r.query_id or r.query, set()).add(index[r.positive_id])
+            self.positives.setdefault(r.query_id or r.query, set()).update(rows[r.positive_key])
         self._query_key = {r.query: r.query_id or r.query for r in records}
         from ..data.corpus import load_embeddings, save_embeddings
 
@@ -170,7 +172,7 @@ class _FixedCorpus:
         return default_cache_dir() / "embeddings" / f"corpus-{h.hexdigest()[:24]}.pt"
 
     def targets(self, batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
-        pos = [self.index[i] for i in batch.doc_ids]
+        pos = [self.rows[key][0] for key in batch.doc_ids]
         pairs = [(row, col) for row, q in enumerate(batch.queries)
                  for col in sorted(self.positives.get(self._query_key.get(q, q), ()))
                  if col != pos[row]]
