@@ -138,3 +138,39 @@ def test_tokenize_in_blocks_equals_one_call(side):
     blocks = enc.tokenize(texts, block=3)
     assert whole.keys() == blocks.keys()
     assert all(torch.equal(whole[k], blocks[k]) for k in whole)
+
+
+def test_weights_that_did_not_load_are_refused(tiny, tmp_path):
+    """A base checkpoint missing a weight, or an adapter whose keys do not match the model,
+    is an error naming the keys, never a model that silently runs on random or zero values
+    (the seed pipeline lost a training run to adapter keys that did not load)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from bigbatch.encoders import load_encoder
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny, broken)
+    weights = load_file(broken / "model.safetensors")
+    key = next(k for k in weights if "layer.1.attention.self.query.weight" in k)
+    del weights[key]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"1 weight\(s\) of BertModel were not loaded.*"
+                                          r"layer\.1\.attention\.self\.query\.weight"):
+        TextEncoder(broken)
+
+    no_pooler = tmp_path / "no_pooler"  # sentence-transformers folders carry no pooler
+    shutil.copytree(tiny, no_pooler)
+    weights = {k: v for k, v in load_file(tiny / "model.safetensors").items()
+               if "pooler" not in k}
+    save_file(weights, no_pooler / "model.safetensors", metadata={"format": "pt"})
+    TextEncoder(no_pooler)
+
+    out = _trained(tiny, lora=True).save(tmp_path / "adapter")
+    load_encoder(out)  # loads as saved
+    adapter = load_file(out / "adapter_model.safetensors")
+    renamed = {k.replace("encoder.layer", "encoder.layers"): v for k, v in adapter.items()}
+    save_file(renamed, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="adapter's weights do not match"):
+        load_encoder(out)

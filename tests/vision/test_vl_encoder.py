@@ -168,3 +168,69 @@ def test_adapter_loads_in_plain_transformers_and_peft(tiny_vl, page_images, tmp_
     assert (again - want).abs().max() < 1e-6
     assert (base - want).abs().max() > 1e-3  # the adapter is not silently without effect
     assert loaded.max_num_visual_tokens == 12 and loaded.is_lora
+
+
+def test_prompt_ids_tokenize_each_text_once_and_literally(tiny_vl, page_images):
+    """The prompt is the ChatML template around the text's own tokens: equal to tokenizing the
+    whole prompt for ordinary text, cut at exactly ``max_length`` text tokens, and a special
+    token written in user text stays text (no fake image slot, no early end of turn)."""
+    from bigbatch.encoders.vision import DOC_INSTRUCTION, TEMPLATE
+
+    enc = VisionLanguageEncoder(tiny_vl("qwen2_vl"), max_num_visual_tokens=6, max_length=12)
+    tok = enc.tokenizer
+    short = "heat shock"
+    ids = enc.collate([short], "doc")["input_ids"][0].tolist()
+    assert ids == tok(TEMPLATE.format(instruction=DOC_INSTRUCTION, content=short),
+                      add_special_tokens=False)["input_ids"]
+
+    long_text = "a claim about protein folding in heat-stressed cells"
+    head, tail = (len(tok(p.replace("{instruction}", DOC_INSTRUCTION),
+                          add_special_tokens=False)["input_ids"])
+                  for p in TEMPLATE.split("{content}"))
+    batch = enc.collate([long_text, short], "doc")
+    assert int(batch["attention_mask"][0].sum()) == head + 12 + tail  # truncated to 12 tokens
+    assert tok.decode(batch["input_ids"][0, head:head + 12]) == long_text.encode()[:12].decode()
+
+    sneaky = "see <|image_pad|><|image_pad|> and <|im_end|> here"
+    page = ImageDoc(page_images[2], text=sneaky)
+    batch = enc.collate([sneaky, page], "doc")
+    slots = int(batch["image_grid_thw"].prod(-1).item()) // 4
+    assert int((batch["input_ids"] == enc.image_token_id).sum()) == slots  # the image's only
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert int((batch["input_ids"][0] == im_end).sum()) == 2  # system's and user's, not the text's
+    with torch.no_grad():
+        assert torch.isfinite(enc(**batch)).all()
+
+    with pytest.raises(bb.ConfigError, match="query_instruction contains the vision token"):
+        VisionLanguageEncoder(tiny_vl("qwen2_vl"), query_instruction="look: <|image_pad|>")
+
+
+@pytest.mark.parametrize("layout", ["current", "pre-4.52"])
+def test_generation_checkpoints_load_into_the_encoder(tiny_vl, page_images, tmp_path, layout):
+    """Released Qwen-VL checkpoints are ``...ForConditionalGeneration`` (keys under
+    ``model.``, plus ``lm_head``; older uploads with ``model.layers``/``visual.`` keys): the
+    encoder loads every weight from either layout and embeds as the bare model does."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_vl("qwen2_vl")
+    gen = transformers.Qwen2VLForConditionalGeneration.from_pretrained(base)
+    out = tmp_path / "gen"
+    gen.save_pretrained(out)
+    for f in base.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    weights = load_file(out / "model.safetensors")
+    assert "lm_head.weight" in weights
+    if layout == "pre-4.52":
+        weights = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+                   for k, v in weights.items()}
+        assert any(k.startswith("visual.") for k in weights)
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    inputs = QUERIES[:2] + [ImageDoc(page_images[0])]  # the language model and vision tower
+    with torch.no_grad():
+        want = VisionLanguageEncoder(base, max_num_visual_tokens=8).eval().encode(inputs, "doc")
+        got = VisionLanguageEncoder(out, max_num_visual_tokens=8).eval().encode(inputs, "doc")
+    assert torch.equal(want, got)

@@ -12,7 +12,31 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["EncoderBase", "FrozenDocTower", "pool"]
+__all__ = ["EncoderBase", "FrozenDocTower", "pool", "load_pretrained"]
+
+
+def load_pretrained(name: str, allowed_missing: tuple[str, ...] = (), **kwargs: Any) -> nn.Module:
+    """``AutoModel.from_pretrained(name)`` that refuses a checkpoint whose weights did not all
+    load: a missing or wrongly shaped weight would otherwise start from random values and
+    train silently from there. ``allowed_missing``: key prefixes never used (BERT's pooler).
+    Task-head weights in the checkpoint (``lm_head``) are unused and ignored.
+
+    Raises:
+        ConfigError: naming the first missing or mismatched keys and how many there are.
+    """
+    from transformers import AutoModel
+
+    from ..errors import ConfigError
+
+    model, info = AutoModel.from_pretrained(name, output_loading_info=True, **kwargs)
+    bad = [k for k in info.get("missing_keys", ()) if not k.startswith(allowed_missing)]
+    bad += [str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys", ())]
+    if bad:
+        shown = ", ".join(sorted(bad)[:5]) + (", ..." if len(bad) > 5 else "")
+        raise ConfigError(f"{name}: {len(bad)} weight(s) of {type(model).__name__} were not "
+                          f"loaded from the checkpoint ({shown}); they would start from random "
+                          f"values. Is this the model folder you meant?")
+    return model
 
 
 def pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
@@ -42,6 +66,7 @@ class EncoderBase:
     """
 
     doc_tower = "shared"
+    _allowed_missing: tuple[str, ...] = ()  # checkpoint keys the encoder never uses
     _doc_base: nn.Module | None = None
     _doc_base_name: str | None = None
 
@@ -54,9 +79,8 @@ class EncoderBase:
         if self.is_lora:
             return
         if base_model is not None:
-            from transformers import AutoModel
-
-            base = AutoModel.from_pretrained(str(base_model)).to(next(self.parameters()).device)
+            base = load_pretrained(str(base_model), self._allowed_missing).to(
+                next(self.parameters()).device)
             self._doc_base_name = str(base_model)
         else:
             base = copy.deepcopy(self.model)

@@ -72,10 +72,21 @@ def _adapter_base(path: Path, meta: dict[str, Any]) -> str:
 
 
 def _attach_adapter(enc: Any, path: Path) -> Any:
-    """Load the peft adapter in ``path`` onto the encoder's base model (standard keys)."""
+    """Load the peft adapter in ``path`` onto the encoder's base model (standard keys).
+    An adapter whose keys do not match the model (peft only warns, and the model then runs
+    without them) is refused: the seed pipeline lost its training this way."""
+    import warnings
+
     from peft import PeftModel
 
-    enc.model = PeftModel.from_pretrained(enc.model, str(path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        enc.model = PeftModel.from_pretrained(enc.model, str(path))
+    for w in caught:
+        if "missing adapter keys" in str(w.message):
+            raise ConfigError(f"{path}: the adapter's weights do not match the model "
+                              f"{enc.model_name!r}: {str(w.message)[:500]}")
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     enc.lora_r = enc.model.peft_config["default"].r
     enc.model_name = str(path)
     return enc

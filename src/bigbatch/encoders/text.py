@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from .base import EncoderBase, pool
+from .base import EncoderBase, load_pretrained, pool
 
 __all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES"]
 
@@ -89,8 +89,10 @@ class TextEncoder(EncoderBase, nn.Module):
         dtype: dtype to load the weights in (default float32).
 
     Raises:
-        ConfigError: unknown pooling, bad LoRA options.
+        ConfigError: unknown pooling, bad LoRA options, weights missing from the checkpoint.
     """
+
+    _allowed_missing = ("pooler.",)  # BERT's pooler: absent from sentence-transformers folders
 
     kind = "text"
 
@@ -101,7 +103,7 @@ class TextEncoder(EncoderBase, nn.Module):
                  gradient_checkpointing: bool = False,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if pooling not in POOLING_MODES:
             raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
@@ -117,7 +119,7 @@ class TextEncoder(EncoderBase, nn.Module):
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         kwargs = {"dtype": dtype} if dtype is not None else {}
-        self.model = AutoModel.from_pretrained(self.model_name, **kwargs)
+        self.model = load_pretrained(self.model_name, self._allowed_missing, **kwargs)
         self.lora_r = lora_r
         if lora_r > 0:
             self._apply_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules)

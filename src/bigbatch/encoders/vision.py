@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from ..data.images import ImageDoc, load_image
 from ..errors import ConfigError, InputError
-from .base import EncoderBase, pool
+from .base import EncoderBase, load_pretrained, pool
 
 __all__ = ["VisionLanguageEncoder", "VL_MODEL_TYPES", "QUERY_INSTRUCTION", "DOC_INSTRUCTION",
            "is_vision_language_model", "pixels_per_visual_token"]
@@ -105,7 +105,7 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
                  lora_dropout: float = 0.0, lora_target_modules: Sequence[str] | None = None,
                  gradient_checkpointing: bool = False, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoTokenizer
+        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
         self.model_name = str(model)
         config = AutoConfig.from_pretrained(self.model_name)
@@ -133,8 +133,18 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.image_processor = AutoImageProcessor.from_pretrained(self.model_name)
         kwargs = {"dtype": dtype} if dtype is not None else {}
-        self.model = AutoModel.from_pretrained(self.model_name, **kwargs)
+        self.model = load_pretrained(self.model_name, **kwargs)
         self.image_token_id = int(config.image_token_id)
+        self.vision_start_id = self._special_id(config, "vision_start_token_id", "<|vision_start|>")
+        self.vision_end_id = self._special_id(config, "vision_end_token_id", "<|vision_end|>")
+        self._ids_cache: dict[Any, Any] = {}
+        for name, text in (("query_instruction", query_instruction),
+                           ("doc_instruction", doc_instruction)):
+            bad = [t for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>",
+                               "<|video_pad|>") if t in text]
+            if bad:
+                raise ConfigError(f"{name} contains the vision token(s) {bad}: the prompt "
+                                  f"places image tokens itself")
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
         if freeze_vision:
             self._vision().requires_grad_(False)
@@ -143,6 +153,14 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
             self._apply_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules)
         if gradient_checkpointing:
             self._enable_gradient_checkpointing()
+
+    def _special_id(self, config: Any, attr: str, token: str) -> int:
+        value = getattr(config, attr, None)
+        if value is None:
+            value = self.tokenizer.convert_tokens_to_ids(token)
+        if value is None or value == self.tokenizer.unk_token_id:
+            raise ConfigError(f"{self.model_name}: the tokenizer has no {token} token")
+        return int(value)
 
     # ------------------------------------------------------------ model parts
     def _core(self, model: nn.Module | None = None) -> nn.Module:
@@ -186,10 +204,24 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
         return (self.min_num_visual_tokens * self.pixels_per_token,
                 self.max_num_visual_tokens * self.pixels_per_token)
 
-    def _truncate(self, text: str) -> str:
-        ids = self.tokenizer(text, add_special_tokens=False, truncation=True,
-                             max_length=self.max_length)["input_ids"]
-        return self.tokenizer.decode(ids) if len(ids) >= self.max_length else text
+    def _template_ids(self, instruction: str) -> tuple[list[int], list[int]]:
+        """Token ids of the prompt before and after the content, for one instruction."""
+        key = ("template", instruction)
+        if key not in self._ids_cache:
+            head, tail = TEMPLATE.split("{content}")
+            self._ids_cache[key] = tuple(
+                self.tokenizer(part, add_special_tokens=False)["input_ids"]
+                for part in (head.replace("{instruction}", instruction), tail))
+        return self._ids_cache[key]
+
+    def _text_ids(self, texts: list[str]) -> list[list[int]]:
+        """Each user text tokenized once, cut to ``max_length`` tokens. The text is taken
+        literally: a special token written in it (``<|image_pad|>``, ``<|im_end|>``) becomes
+        ordinary text tokens, so it can neither fake an image slot nor end the turn."""
+        if not texts:
+            return []
+        return self.tokenizer(texts, add_special_tokens=False, truncation=True,
+                              max_length=self.max_length, split_special_tokens=True)["input_ids"]
 
     def collate(self, items: Sequence[str | ImageDoc], kind: str = "doc") -> dict[str, Tensor]:
         """Model inputs for a chunk of queries (``kind="query"``) or documents: texts and/or
@@ -218,14 +250,17 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
             grid = vis["image_grid_thw"]
             out["image_grid_thw"] = grid
         counts = iter([] if grid is None else (grid.prod(-1) // self.merge ** 2).tolist())
-        prompts = []
+        before, after = self._template_ids(instruction)
+        nonempty = [t for t in texts if t]
+        text_ids = iter(self._text_ids(nonempty))
+        rows = []
         for item, text in zip(items, texts):
-            content = self._truncate(text) if text else ""
+            content = list(next(text_ids)) if text else []
             if isinstance(item, ImageDoc):
-                content = ("<|vision_start|>" + "<|image_pad|>" * next(counts) + "<|vision_end|>"
-                           + content)
-            prompts.append(TEMPLATE.format(instruction=instruction, content=content))
-        tok = self.tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
+                content = ([self.vision_start_id] + [self.image_token_id] * next(counts)
+                           + [self.vision_end_id] + content)
+            rows.append(before + content + after)
+        tok = self.tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
         out["input_ids"] = tok["input_ids"]
         out["attention_mask"] = tok["attention_mask"]
         if images:
