@@ -95,6 +95,13 @@ def _add_encoder_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--doc-prefix", default=None, help="text before each document")
     p.add_argument("--pooling", choices=("mean", "cls", "last"), default=None)
     p.add_argument("--max-length", type=int, default=None)
+    p.add_argument("--query-instruction", default=None, help="vision-language models: system "
+                   "instruction of queries (default: what the model folder says)")
+    p.add_argument("--doc-instruction", default=None, help="vision-language models: system "
+                   "instruction of documents")
+    p.add_argument("--max-num-visual-tokens", type=int, default=None, help="vision-language "
+                   "models: visual tokens per page at most (default: the folder's, else 256)")
+    p.add_argument("--min-num-visual-tokens", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=64, help="texts embedded at once")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if present)")
     p.add_argument("--cache-dir", default=None, help="corpus embedding cache (default "
@@ -230,7 +237,10 @@ def _cache_dir(args: argparse.Namespace):
 
 def _encoder_overrides(args: argparse.Namespace) -> dict:
     return {"query_prefix": args.query_prefix, "doc_prefix": args.doc_prefix,
-            "pooling": args.pooling, "max_length": args.max_length}
+            "pooling": args.pooling, "max_length": args.max_length,
+            "query_instruction": args.query_instruction, "doc_instruction": args.doc_instruction,
+            "max_num_visual_tokens": args.max_num_visual_tokens,
+            "min_num_visual_tokens": args.min_num_visual_tokens}
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -174,3 +174,12 @@ def test_weights_that_did_not_load_are_refused(tiny, tmp_path):
     save_file(renamed, out / "adapter_model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConfigError, match="adapter's weights do not match"):
         load_encoder(out)
+
+
+def test_vision_flags_on_a_text_model_are_an_error(tiny):
+    from bigbatch.encoders import load_encoder
+
+    with pytest.raises(ConfigError, match=r"\['max_num_visual_tokens'\] apply to "
+                                          r"vision-language models only"):
+        load_encoder(tiny, max_num_visual_tokens=16)
+    assert load_encoder(tiny, max_length=20).max_length == 20

@@ -14,7 +14,7 @@ import torch
 import bigbatch as bb
 from bigbatch.cli import main
 from bigbatch.data import load_records
-from bigbatch.data.images import ImageDoc
+from bigbatch.data.images import ImageDoc, doc_key
 from bigbatch.train import TrainConfig, train
 from helpers import DT, grads_of, max_rel_err, zero_grads
 from pipeline_helpers import scifact_slice, tiny_bert
@@ -161,3 +161,40 @@ def test_query_side_tune_text_full_finetune_exact(tmp_path, backward):
     assert not d.requires_grad
     loss_fn(q, d)[0].backward()
     assert max_rel_err(got, grads_of(enc, loss_fn)) <= 1e-10
+
+
+def test_mine_page_corpus_then_train_on_the_mined_file(tiny_vl, pages, tmp_path, capsys,
+                                                       monkeypatch):
+    """`bigbatch mine` over a corpus of page images writes the seed's image keys
+    (`chunk_path`, `neg_chunk_paths`, relative to the output), which train reads back as
+    images with their corpus ids; a page mined for one query that is another query's
+    positive has one id in the batch."""
+    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "cache"))
+    model = tiny_vl("qwen2_vl")
+    mined = tmp_path / "mined" / "train.jsonl"
+    assert main(["mine", "--model", str(model), "--data", str(pages), "--output", str(mined),
+                 "--num-negatives", "2", "--rank-window", "0:6", "--max-num-visual-tokens",
+                 "16", "--batch-size", "8", "--max-score-ratio", "0"]) == 0  # random model
+    capsys.readouterr()
+    lines = [json.loads(l) for l in mined.read_text().splitlines()]
+    assert lines and all("chunk_path" in r and len(r["neg_chunk_paths"]) == 2 for r in lines)
+    assert all(not Path(r["chunk_path"]).is_absolute() for r in lines)
+    recs = load_records(mined, num_hard_negatives=2)
+    assert all(isinstance(r.positive, ImageDoc) and Path(r.positive.path).exists() for r in recs)
+    assert recs[0].positive_id == lines[0]["positive_id"]
+    by_id = {r["positive_id"]: r["chunk_path"] for r in lines}
+    shared = 0
+    for r, line in zip(recs, lines):  # a negative that is another record's positive page
+        for nid, neg in zip(line["negative_ids"], r.negatives):
+            if nid in by_id:
+                shared += 1
+                assert Path(neg.path) == (mined.parent / by_id[nid]).resolve()
+                assert doc_key(neg) == next(x.positive_key for x in recs
+                                            if x.positive_id == nid)
+    assert shared > 0
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(model), "--train-data", str(mined), "--output-dir",
+                 str(out), "--batch-size", "4", "--grad-cache-chunk", "4", "--max-steps", "1",
+                 "--warmup-steps", "0", "--num-hard-negatives", "2", "--lora-r", "4",
+                 "--max-num-visual-tokens", "16", "--save-steps", "0"]) == 0
+    assert (out / "final").is_dir()

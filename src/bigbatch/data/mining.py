@@ -22,6 +22,7 @@ dropped as positives, dropped as false negatives, and records left short.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,30 @@ def _index(emb: torch.Tensor, kind: str) -> Any:
     return index
 
 
+def _record(query: str, qid: str, pid: str, negs: list[str], docs: dict[str, Any],
+            folder: Path) -> dict[str, Any]:
+    """One output line: texts as ``positive``/``negatives``, page images as the seed's
+    ``chunk_path``/``neg_chunk_paths`` (relative to the output's folder, as the reader
+    resolves them); ``negative_ids`` in the order the reader lists negatives (image paths,
+    then texts)."""
+    from .images import ImageDoc
+
+    def path(doc: ImageDoc) -> str:
+        return os.path.relpath(doc.path, folder)
+
+    rec: dict[str, Any] = {"query": query}
+    pos = docs[pid]
+    rec.update({"chunk_path": path(pos)} if isinstance(pos, ImageDoc) else {"positive": pos})
+    images = [d for d in negs if isinstance(docs[d], ImageDoc)]
+    texts = [d for d in negs if not isinstance(docs[d], ImageDoc)]
+    if images:
+        rec["neg_chunk_paths"] = [path(docs[d]) for d in images]
+    if texts or not images:
+        rec["negatives"] = [docs[d] for d in texts]
+    rec.update({"query_id": qid, "positive_id": pid, "negative_ids": images + texts})
+    return rec
+
+
 def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | Path,
                         options: MiningOptions, *, device: Any = None,
                         cache_dir: str | Path | None = None, progress: bool = True) -> MiningReport:
@@ -182,9 +207,7 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         for qid, pid, negs in chosen:
-            f.write(json.dumps({"query": queries[qid], "positive": texts[pid],
-                                "negatives": [texts[d] for d in negs], "query_id": qid,
-                                "positive_id": pid, "negative_ids": negs},
+            f.write(json.dumps(_record(queries[qid], qid, pid, negs, texts, out.parent),
                                ensure_ascii=False) + "\n")
             report.records += 1
             report.negatives_written += len(negs)

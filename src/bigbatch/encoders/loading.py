@@ -120,7 +120,12 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
     for key in ("pooling", "normalize", "max_length", "query_prefix", "doc_prefix"):
         if key in meta:
             settings[key] = meta[key]
-    settings.update({k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    vl_only = sorted(k for k in given if k in _VL_KEYS and k not in ("max_length", "normalize"))
+    if vl_only:
+        raise ConfigError(f"{vl_only} apply to vision-language models only; {path} is a text "
+                          f"model")
+    settings.update(given)
     if _is_adapter(path, meta):
         enc = _attach_adapter(TextEncoder(_adapter_base(path, meta), **settings), path)
         _restore_doc_tower(enc, meta)
