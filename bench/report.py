@@ -15,21 +15,35 @@ LABELS = {"a_plain_full_batch": "(a) plain full batch", "b_st_cached_mnrl":
           "(b) sentence-transformers CachedMNRL", "c_bigbatch": "(c) bigbatch GradCache",
           "d_bigbatch_sorted": "(d) bigbatch, length-ordered", "F_forward_no_grad":
           "F: forward without grad (chunks)", "Bw_forward_backward":
-          "FB: forward + backward (chunks)"}
+          "FB: forward + backward (chunks)", "Flast_forward_kept_chunk":
+          "F_last: forward without grad, the chunk bigbatch keeps"}
+
+
+def speed_seconds(r: dict) -> tuple[str, dict[str, float]]:
+    """The statistic a speed result's ratios use and its value per contender: the fastest
+    round unless the run chose the median (older files: computed from every round)."""
+    stat = r.get("stat", "min")
+    if "seconds" in r:
+        return stat, r["seconds"]
+    return stat, {k: min(v) for k, v in r["all_seconds"].items()}
 
 
 def speed_section(path: Path) -> list[str]:
     r = json.loads(path.read_text())
-    s, m, med = r["settings"], r["machine"], r["median_seconds"]
+    s, m = r["settings"], r["machine"]
+    stat, med = speed_seconds(r)
+    medians = r["median_seconds"]
     lines = [f"### Speed: {path.stem}", "",
              f"`{r['command']}` on {m['processor']} ({m['cpus']} CPUs, device {m['device']}"
              f"{', ' + m['gpu'] if 'gpu' in m else ''}), torch {m['torch']}, {r['date']}.",
              f"Batch {s['batch']}, chunk {s['chunk']}, max length {s['max_length']}, "
              f"{s['dtype']}, {'equal' if s['equal_lengths'] else 'real SciFact'} lengths, "
-             f"median of {s['repeats']} interleaved rounds.", "",
-             "| contender | median s | x plain |", "|---|---|---|"]
+             f"{s['repeats']} interleaved rounds; ratios use the "
+             f"{'fastest round' if stat == 'min' else 'median'} of each contender.", "",
+             "| contender | fastest s | median s | x plain |", "|---|---|---|---|"]
     for k, v in med.items():
-        lines.append(f"| {LABELS.get(k, k)} | {v:.3f} | {v / med['a_plain_full_batch']:.2f} |")
+        lines.append(f"| {LABELS.get(k, k)} | {min(r['all_seconds'][k]):.3f} | {medians[k]:.3f} "
+                     f"| {v / med['a_plain_full_batch']:.2f} |")
     F, FB = med["F_forward_no_grad"], med["Bw_forward_backward"]
     bound, c = (F + FB) / FB, med["c_bigbatch"] / FB  # (2F + B) / (F + B), B = backward
     a, b, d = (med[k] for k in ("a_plain_full_batch", "b_st_cached_mnrl", "d_bigbatch_sorted"))
@@ -37,6 +51,14 @@ def speed_section(path: Path) -> list[str]:
               f"measured bigbatch / FB = **{c:.3f}** (**{c / bound:.2f}x** the bound); "
               f"length-ordered / plain = **{d / a:.3f}**; "
               f"sentence-transformers cached / bigbatch = **{b / med['c_bigbatch']:.3f}**.", ""]
+    if "Flast_forward_kept_chunk" in med:
+        floor_c, floor_b = F + FB - med["Flast_forward_kept_chunk"], F + FB
+        lines += [f"Model work alone (the floors): bigbatch embeds every chunk but the kept one "
+                  f"twice, F + FB - F_last = {floor_c:.3f} s (measured **"
+                  f"{med['c_bigbatch'] / floor_c:.2f}x** it); sentence-transformers re-embeds "
+                  f"every chunk, F + FB = {floor_b:.3f} s (measured **{b / floor_b:.2f}x** it). "
+                  f"Were both at their floors, sentence-transformers / bigbatch would be "
+                  f"**{floor_b / floor_c:.3f}**.", ""]
     return lines
 
 
@@ -100,7 +122,7 @@ def targets_section() -> list[str]:
     """The issue's targets, each with the figure measured (or 'not measured')."""
     def speed(tag):
         p = RESULTS / f"speed-cpu-fp32-{tag}.json"
-        return json.loads(p.read_text())["median_seconds"] if p.exists() else None
+        return speed_seconds(json.loads(p.read_text()))[1] if p.exists() else None
 
     def fmt(ok, text):
         return f"- {'met' if ok else 'NOT met'}: {text}"
@@ -118,8 +140,14 @@ def targets_section() -> list[str]:
     for tag, med in (("equal", eq), ("real", real)):
         if med:
             x = med["b_st_cached_mnrl"] / med["c_bigbatch"]
+            ceiling = ""
+            if "Flast_forward_kept_chunk" in med:
+                F, FB = med["F_forward_no_grad"], med["Bw_forward_backward"]
+                ceiling = (f" (both at their floors: "
+                           f"{(F + FB) / (F + FB - med['Flast_forward_kept_chunk']):.2f}x; "
+                           f"see below)")
             out.append(fmt(x >= 1.25, f"bigbatch >= 1.25x faster than sentence-transformers' cached "
-                                      f"loss ({tag} lengths): {x:.2f}x"))
+                                      f"loss ({tag} lengths): {x:.2f}x{ceiling}"))
     rows = []
     runs = sorted((json.loads(p.read_text()) for p in RESULTS.glob("memory-cpu*.json")),
                   key=lambda x: x["date"])  # oldest first: newer points overwrite below
@@ -148,6 +176,47 @@ def targets_section() -> list[str]:
     return out + [""]
 
 
+def st_note() -> list[str]:
+    """Why bigbatch's lead over sentence-transformers' cached loss is what it is, from the
+    speed results' own floors."""
+    out = []
+    for tag in ("equal", "real"):
+        p = RESULTS / f"speed-cpu-fp32-{tag}.json"
+        if not p.exists():
+            continue
+        med = speed_seconds(json.loads(p.read_text()))[1]
+        if "Flast_forward_kept_chunk" not in med:
+            continue
+        F, FB, Fl = (med[k] for k in ("F_forward_no_grad", "Bw_forward_backward",
+                                      "Flast_forward_kept_chunk"))
+        b, c, d = med["b_st_cached_mnrl"], med["c_bigbatch"], med["d_bigbatch_sorted"]
+        out.append(f"- {tag} lengths: floors {F + FB - Fl:.2f} s (bigbatch) and {F + FB:.2f} s "
+                   f"(sentence-transformers), so **{(F + FB) / (F + FB - Fl):.2f}x** is all an "
+                   f"exact one-chunk GradCache can gain from model work; measured "
+                   f"{b / c:.2f}x ({c / (F + FB - Fl):.2f}x and {b / (F + FB):.2f}x their floors). "
+                   f"1.25x would need sentence-transformers to spend "
+                   f"{1.25 * c - (F + FB):.2f} s beyond its model work."
+                   + (f" Length-ordered bigbatch (d): {b / d:.2f}x faster than "
+                      f"sentence-transformers." if tag == "real" else
+                      f" (c) and (d) do identical work at equal lengths: their "
+                      f"{abs(c - d) / c:.0%} difference is this machine's timing noise."))
+    if not out:
+        return []
+    return ["## The sentence-transformers target", "",
+            "The 1.25x target was set from the cost `003_...` reports for the cached loss "
+            "(2.45x to 2.77x plain training). The sentence-transformers installed here (6.2) "
+            "has since taken up the same design: each mini-batch cut to its own longest row, "
+            "dropout replayed from a saved RNG state, the loss computed in blocks. Both now do "
+            "the same model work but one chunk: exact GradCache must embed every example twice "
+            "(without a graph for the full-batch loss, then with one to push the cached "
+            "gradient in), except the chunk whose graph bigbatch keeps; holding more graphs "
+            "would break the one-chunk memory bound. Measured floors, from the F, FB and "
+            "F_last rows:", ""] + out + [
+            "", "So the target is out of reach by construction against this version, on this "
+            "machine; it stays listed as not met. On a GPU, where per-mini-batch overhead is "
+            "a larger share, the gap may differ (no GPU was lent to measure it).", ""]
+
+
 def main() -> None:
     DOCS.mkdir(exist_ok=True)
     lines = ["# Benchmarks", "",
@@ -155,6 +224,7 @@ def main() -> None:
              "raw results with machine, date and versions are in `bench/results/`. Numbers are "
              "measured, never asserted by tests.", ""]
     lines += targets_section()
+    lines += st_note()
     for p in sorted(RESULTS.glob("speed-*.json")):
         lines += speed_section(p)
     by_device: dict[str, list[Path]] = {}
