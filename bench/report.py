@@ -78,7 +78,9 @@ def memory_section(paths: list[Path]) -> list[str]:
              f" on {m['processor']} ({m['cpus']} CPUs), torch {m['torch']}. Commands: "
              + "; ".join(f"`{x['command']}` ({x['date']})" for x in runs) + ".",
              "", "The last column is the streamed run's peak minus the high-water mark before the "
-             "step (model, data and tokenization), i.e. what the step itself added.", "",
+             "step (model, data and tokenization), i.e. what the step itself added. Step seconds "
+             "are wall time and depend on what else shared the CPUs (some points ran beside a "
+             "test run); the memory figures do not.", "",
              "| batch | bigbatch, streamed loss | bigbatch, dense loss | plain full batch | "
              "step s (streamed) | streamed: added by the step |", "|---|---|---|---|---|---|"]
     rows = [row for x in runs for row in x["rows"]]
@@ -184,7 +186,8 @@ def st_note() -> list[str]:
         p = RESULTS / f"speed-cpu-fp32-{tag}.json"
         if not p.exists():
             continue
-        med = speed_seconds(json.loads(p.read_text()))[1]
+        r = json.loads(p.read_text())
+        med, medians = speed_seconds(r)[1], r["median_seconds"]
         if "Flast_forward_kept_chunk" not in med:
             continue
         F, FB, Fl = (med[k] for k in ("F_forward_no_grad", "Bw_forward_backward",
@@ -193,13 +196,17 @@ def st_note() -> list[str]:
         out.append(f"- {tag} lengths: floors {F + FB - Fl:.2f} s (bigbatch) and {F + FB:.2f} s "
                    f"(sentence-transformers), so **{(F + FB) / (F + FB - Fl):.2f}x** is all an "
                    f"exact one-chunk GradCache can gain from model work; measured "
-                   f"{b / c:.2f}x ({c / (F + FB - Fl):.2f}x and {b / (F + FB):.2f}x their floors). "
+                   f"{b / c:.2f}x from the fastest rounds, "
+                   f"{medians['b_st_cached_mnrl'] / medians['c_bigbatch']:.2f}x from the medians "
+                   f"({c / (F + FB - Fl):.2f}x and {b / (F + FB):.2f}x their floors). "
                    f"1.25x would need sentence-transformers to spend "
                    f"{1.25 * c - (F + FB):.2f} s beyond its model work."
                    + (f" Length-ordered bigbatch (d): {b / d:.2f}x faster than "
                       f"sentence-transformers." if tag == "real" else
-                      f" (c) and (d) do identical work at equal lengths: their "
-                      f"{abs(c - d) / c:.0%} difference is this machine's timing noise."))
+                      f" (c) and (d) do identical work at equal lengths; their fastest rounds "
+                      f"differ by {abs(c - d) / c:.0%}, their medians by "
+                      f"{abs(medians['c_bigbatch'] - medians['d_bigbatch_sorted']) / medians['c_bigbatch']:.0%}: "
+                      f"this machine's timing noise."))
     if not out:
         return []
     return ["## The sentence-transformers target", "",
