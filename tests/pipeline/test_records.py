@@ -135,3 +135,35 @@ def test_query_side_corpus_holds_each_passage_once(tmp_path, monkeypatch):
     # each q1 row masks q1's other positive, and nothing else is masked
     other = sorted((batch.queries[r], c) for r, c in t["other_positives"].tolist())
     assert other == sorted([("q1", pos_of["third passage"]), ("q1", pos_of["shared passage"])])
+
+
+def test_query_side_corpus_masks_a_duplicate_under_another_id(tmp_path, monkeypatch):
+    """A BEIR corpus holding the positive's text twice, under two ids: the second row is
+    masked for that query, not scored as a negative equal to its positive."""
+    import torch
+
+    from bigbatch.distributed import WorldInfo
+    from bigbatch.encoders import TextEncoder
+    from bigbatch.train import TrainConfig
+    from bigbatch.train.loop import _FixedCorpus
+    from pipeline_helpers import tiny_bert
+
+    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "cache"))
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    write(beir / "corpus.jsonl", [{"_id": "d1", "title": "", "text": "same passage"},
+                                  {"_id": "d2", "title": "", "text": "other passage"},
+                                  {"_id": "d3", "title": "", "text": "same passage"}])
+    write(beir / "queries.jsonl", [{"_id": "q1", "text": "first"}, {"_id": "q2", "text": "second"}])
+    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\n")
+    recs = load_records(beir)
+    config = TrainConfig(model="unused", train_data=str(beir), output_dir=str(tmp_path / "o"),
+                         mode="query-side-tune", doc_negatives="corpus")
+    enc = TextEncoder(tiny_bert(tmp_path / "bert"), max_length=16).eval()
+    corpus = _FixedCorpus(config, recs, enc, torch.device("cpu"), WorldInfo())
+    assert corpus.ids == ["d1", "d2", "d3"]
+    batch = EpochBatches(recs, batch_size=2).batch(0, 0)
+    t = corpus.targets(batch, torch.device("cpu"))
+    row = batch.queries.index("first")
+    assert int(t["positive_index"][row]) == 0
+    assert t["other_positives"].tolist() == [[row, 2]]  # d3, the same text as d1
