@@ -8,8 +8,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT  # noqa: E402
+from speed import summarize  # noqa: E402
 
 DOCS = ROOT / "docs"
+FLOOR_KEYS = ("bigbatch_F_plus_FB_minus_Flast", "st_cached_F_plus_FB")
 
 LABELS = {"a_plain_full_batch": "(a) plain full batch", "b_st_cached_mnrl":
           "(b) sentence-transformers CachedMNRL", "c_bigbatch": "(c) bigbatch GradCache",
@@ -19,46 +21,42 @@ LABELS = {"a_plain_full_batch": "(a) plain full batch", "b_st_cached_mnrl":
           "F_last: forward without grad, the chunk bigbatch keeps"}
 
 
-def speed_seconds(r: dict) -> tuple[str, dict[str, float]]:
-    """The statistic a speed result's ratios use and its value per contender: the fastest
-    round unless the run chose the median (older files: computed from every round)."""
-    stat = r.get("stat", "min")
-    if "seconds" in r:
-        return stat, r["seconds"]
-    return stat, {k: min(v) for k, v in r["all_seconds"].items()}
+def speed_summary(r: dict) -> dict:
+    """A speed result's summary (:func:`speed.summarize`: seconds per contender, bound, floors,
+    ratios), recomputed from its recorded rounds with the statistic the run chose."""
+    return summarize(r["all_seconds"], r.get("stat", "min"))
 
 
 def speed_section(path: Path) -> list[str]:
     r = json.loads(path.read_text())
     s, m = r["settings"], r["machine"]
-    stat, med = speed_seconds(r)
-    medians = r["median_seconds"]
+    sm = speed_summary(r)
+    med, medians, ratios = sm["seconds"], sm["median_seconds"], sm["ratios"]
+    floor_c, floor_b = (sm["floor_seconds"][k] for k in FLOOR_KEYS)
     lines = [f"### Speed: {path.stem}", "",
              f"`{r['command']}` on {m['processor']} ({m['cpus']} CPUs, device {m['device']}"
              f"{', ' + m['gpu'] if 'gpu' in m else ''}), torch {m['torch']}, {r['date']}.",
              f"Batch {s['batch']}, chunk {s['chunk']}, max length {s['max_length']}, "
              f"{s['dtype']}, {'equal' if s['equal_lengths'] else 'real SciFact'} lengths, "
              f"{s['repeats']} interleaved rounds; ratios use the "
-             f"{'fastest round' if stat == 'min' else 'median'} of each contender.", "",
+             f"{'fastest round' if sm['stat'] == 'min' else 'median'} of each contender.", "",
              "| contender | fastest s | median s | x plain |", "|---|---|---|---|"]
     for k, v in med.items():
-        lines.append(f"| {LABELS.get(k, k)} | {min(r['all_seconds'][k]):.3f} | {medians[k]:.3f} "
+        lines.append(f"| {LABELS.get(k, k)} | {sm['min_seconds'][k]:.3f} | {medians[k]:.3f} "
                      f"| {v / med['a_plain_full_batch']:.2f} |")
-    F, FB = med["F_forward_no_grad"], med["Bw_forward_backward"]
-    bound, c = (F + FB) / FB, med["c_bigbatch"] / FB  # (2F + B) / (F + B), B = backward
-    a, b, d = (med[k] for k in ("a_plain_full_batch", "b_st_cached_mnrl", "d_bigbatch_sorted"))
+    bound = sm["bound_F_plus_FB_over_FB"]  # (2F + B) / (F + B), B = backward
     lines += ["", f"One-extra-forward bound (2F + B) / (F + B) = (F + FB) / FB = **{bound:.3f}**; "
-              f"measured bigbatch / FB = **{c:.3f}** (**{c / bound:.2f}x** the bound); "
-              f"length-ordered / plain = **{d / a:.3f}**; "
-              f"sentence-transformers cached / bigbatch = **{b / med['c_bigbatch']:.3f}**.", ""]
-    if "Flast_forward_kept_chunk" in med:
-        floor_c, floor_b = F + FB - med["Flast_forward_kept_chunk"], F + FB
-        lines += [f"Model work alone (the floors): bigbatch embeds every chunk but the kept one "
-                  f"twice, F + FB - F_last = {floor_c:.3f} s (measured **"
-                  f"{med['c_bigbatch'] / floor_c:.2f}x** it); sentence-transformers re-embeds "
-                  f"every chunk, F + FB = {floor_b:.3f} s (measured **{b / floor_b:.2f}x** it). "
-                  f"Were both at their floors, sentence-transformers / bigbatch would be "
-                  f"**{floor_b / floor_c:.3f}**.", ""]
+              f"measured bigbatch / FB = **{ratios['c_over_FB']:.3f}** "
+              f"(**{ratios['c_over_FB'] / bound:.2f}x** the bound); "
+              f"length-ordered / plain = **{ratios['d_over_a']:.3f}**; "
+              f"sentence-transformers cached / bigbatch = **{ratios['b_over_c']:.3f}**.", "",
+              f"Model work alone (the floors): bigbatch embeds every chunk but the kept one "
+              f"twice, F + FB - F_last = {floor_c:.3f} s (measured **"
+              f"{ratios['c_over_its_floor']:.2f}x** it); sentence-transformers re-embeds "
+              f"every chunk, F + FB = {floor_b:.3f} s (measured "
+              f"**{ratios['b_over_its_floor']:.2f}x** it). "
+              f"Were both at their floors, sentence-transformers / bigbatch would be "
+              f"**{sm['ceiling_b_over_c_at_floors']:.3f}**.", ""]
     return lines
 
 
@@ -124,7 +122,7 @@ def targets_section() -> list[str]:
     """The issue's targets, each with the figure measured (or 'not measured')."""
     def speed(tag):
         p = RESULTS / f"speed-cpu-fp32-{tag}.json"
-        return speed_seconds(json.loads(p.read_text()))[1] if p.exists() else None
+        return speed_summary(json.loads(p.read_text())) if p.exists() else None
 
     def fmt(ok, text):
         return f"- {'met' if ok else 'NOT met'}: {text}"
@@ -132,24 +130,18 @@ def targets_section() -> list[str]:
     out = ["## Targets", ""]
     eq, real = speed("equal"), speed("real")
     if eq:
-        F, FB = eq["F_forward_no_grad"], eq["Bw_forward_backward"]
-        x = eq["c_bigbatch"] / FB / ((F + FB) / FB)
+        x = eq["ratios"]["c_over_FB"] / eq["bound_F_plus_FB_over_FB"]
         out.append(fmt(x <= 1.10, f"bigbatch within 1.10x of the bound on equal lengths: {x:.2f}x"))
     if real:
-        x = real["d_bigbatch_sorted"] / real["a_plain_full_batch"]
+        x = real["ratios"]["d_over_a"]
         out.append(fmt(x <= 1.0, f"length-ordered bigbatch no slower than plain on real lengths: "
                                  f"{x:.2f}x plain"))
-    for tag, med in (("equal", eq), ("real", real)):
-        if med:
-            x = med["b_st_cached_mnrl"] / med["c_bigbatch"]
-            ceiling = ""
-            if "Flast_forward_kept_chunk" in med:
-                F, FB = med["F_forward_no_grad"], med["Bw_forward_backward"]
-                ceiling = (f" (both at their floors: "
-                           f"{(F + FB) / (F + FB - med['Flast_forward_kept_chunk']):.2f}x; "
-                           f"see below)")
+    for tag, sm in (("equal", eq), ("real", real)):
+        if sm:
+            x = sm["ratios"]["b_over_c"]
             out.append(fmt(x >= 1.25, f"bigbatch >= 1.25x faster than sentence-transformers' cached "
-                                      f"loss ({tag} lengths): {x:.2f}x{ceiling}"))
+                                      f"loss ({tag} lengths): {x:.2f}x (both at their floors: "
+                                      f"{sm['ceiling_b_over_c_at_floors']:.2f}x; see below)"))
     rows = []
     runs = sorted((json.loads(p.read_text()) for p in RESULTS.glob("memory-cpu*.json")),
                   key=lambda x: x["date"])  # oldest first: newer points overwrite below
@@ -186,21 +178,18 @@ def st_note() -> list[str]:
         p = RESULTS / f"speed-cpu-fp32-{tag}.json"
         if not p.exists():
             continue
-        r = json.loads(p.read_text())
-        med, medians = speed_seconds(r)[1], r["median_seconds"]
-        if "Flast_forward_kept_chunk" not in med:
-            continue
-        F, FB, Fl = (med[k] for k in ("F_forward_no_grad", "Bw_forward_backward",
-                                      "Flast_forward_kept_chunk"))
+        sm = speed_summary(json.loads(p.read_text()))
+        med, medians, ratios = sm["seconds"], sm["median_seconds"], sm["ratios"]
+        floor_c, floor_b = (sm["floor_seconds"][k] for k in FLOOR_KEYS)
         b, c, d = med["b_st_cached_mnrl"], med["c_bigbatch"], med["d_bigbatch_sorted"]
-        out.append(f"- {tag} lengths: floors {F + FB - Fl:.2f} s (bigbatch) and {F + FB:.2f} s "
-                   f"(sentence-transformers), so **{(F + FB) / (F + FB - Fl):.2f}x** is all an "
-                   f"exact one-chunk GradCache can gain from model work; measured "
-                   f"{b / c:.2f}x from the fastest rounds, "
+        out.append(f"- {tag} lengths: floors {floor_c:.2f} s (bigbatch) and {floor_b:.2f} s "
+                   f"(sentence-transformers), so **{sm['ceiling_b_over_c_at_floors']:.2f}x** is "
+                   f"all an exact one-chunk GradCache can gain from model work; measured "
+                   f"{ratios['b_over_c']:.2f}x from the fastest rounds, "
                    f"{medians['b_st_cached_mnrl'] / medians['c_bigbatch']:.2f}x from the medians "
-                   f"({c / (F + FB - Fl):.2f}x and {b / (F + FB):.2f}x their floors). "
-                   f"1.25x would need sentence-transformers to spend "
-                   f"{1.25 * c - (F + FB):.2f} s beyond its model work."
+                   f"({ratios['c_over_its_floor']:.2f}x and {ratios['b_over_its_floor']:.2f}x "
+                   f"their floors). 1.25x would need sentence-transformers to spend "
+                   f"{1.25 * c - floor_b:.2f} s beyond its model work."
                    + (f" Length-ordered bigbatch (d): {b / d:.2f}x faster than "
                       f"sentence-transformers." if tag == "real" else
                       f" (c) and (d) do identical work at equal lengths; their fastest rounds "
