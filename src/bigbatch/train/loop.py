@@ -109,23 +109,29 @@ class _FixedCorpus:
         from ..data.images import doc_key
 
         items: list[Any] = []
+        keys: list[str] = []  # each item's content key
         self.ids: list[str] = []
         rows: dict[str, list[int]] = {}  # content key -> the corpus rows holding that content
+
+        def add(did: str, doc: Any, key: str) -> None:
+            rows.setdefault(key, []).append(len(items))
+            self.ids.append(did)
+            items.append(doc)
+            keys.append(key)
+
         root = Path(config.train_data)
         if root.is_dir():
             from ..data.beir import load_beir
 
             for did, doc in load_beir(root, config.train_split).corpus.items():
-                rows.setdefault(doc_key(doc), []).append(len(items))
-                self.ids.append(did)
-                items.append(doc)
+                add(did, doc, doc_key(doc))
         for r in records:
-            for doc in [r.positive] + r.negatives:
+            if r.positive_key not in rows:
+                add(r.positive_id, r.positive, r.positive_key)
+            for doc in r.negatives:
                 key = doc_key(doc)
                 if key not in rows:
-                    rows[key] = [len(items)]
-                    self.ids.append(r.positive_id if doc is r.positive else key)
-                    items.append(doc)
+                    add(key, doc, key)
         self.rows = rows
         # every row holding a positive of the query (by query id, else by text) is masked out
         # of its negatives, so is a duplicate of it under another corpus id
@@ -135,7 +141,7 @@ class _FixedCorpus:
         self._query_key = {r.query: r.query_id or r.query for r in records}
         from ..data.corpus import load_embeddings, save_embeddings
 
-        self.cache_file = self._cache_file(encoder, items)
+        self.cache_file = self._cache_file(encoder, items, keys)
         emb = None
         if not self.cache_file.exists() and info.is_main:
             emb = encoder.encode(items, kind="doc", batch_size=config.eval_batch_size,
@@ -152,7 +158,7 @@ class _FixedCorpus:
                                  device=device)
         self.emb = emb.to(device)
 
-    def _cache_file(self, encoder: Any, items: list[Any]) -> Path:
+    def _cache_file(self, encoder: Any, items: list[Any], keys: list[str]) -> Path:
         """Where the frozen tower's corpus embeddings are kept between runs (and resumes):
         keyed by the encoder (files and settings) and every document (text hash, or image
         path, size and modification time)."""
@@ -160,12 +166,12 @@ class _FixedCorpus:
         import json
 
         from ..data.corpus import default_cache_dir, encoder_key
-        from ..data.images import ImageDoc, doc_key
+        from ..data.images import ImageDoc
 
         h = hashlib.sha256(json.dumps(encoder_key(encoder), sort_keys=True,
                                       default=str).encode())
-        for did, doc in zip(self.ids, items):
-            h.update(did.encode() + b"\0" + doc_key(doc).encode() + b"\0")
+        for did, doc, key in zip(self.ids, items, keys):
+            h.update(did.encode() + b"\0" + key.encode() + b"\0")
             if isinstance(doc, ImageDoc):
                 st = os.stat(doc.path)
                 h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
