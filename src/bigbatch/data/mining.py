@@ -119,13 +119,13 @@ def _record(query: str, qid: str, pid: str, negs: list[str], docs: dict[str, Any
     rec: dict[str, Any] = {"query": query}
     pos = docs[pid]
     rec.update({"chunk_path": path(pos)} if isinstance(pos, ImageDoc) else {"positive": pos})
-    images = [d for d in negs if isinstance(docs[d], ImageDoc)]
-    texts = [d for d in negs if not isinstance(docs[d], ImageDoc)]
-    if images:
-        rec["neg_chunk_paths"] = [path(docs[d]) for d in images]
-    if texts or not images:
-        rec["negatives"] = [docs[d] for d in texts]
-    rec.update({"query_id": qid, "positive_id": pid, "negative_ids": images + texts})
+    image_ids = [d for d in negs if isinstance(docs[d], ImageDoc)]
+    text_ids = [d for d in negs if not isinstance(docs[d], ImageDoc)]
+    if image_ids:
+        rec["neg_chunk_paths"] = [path(docs[d]) for d in image_ids]
+    if text_ids or not image_ids:
+        rec["negatives"] = [docs[d] for d in text_ids]
+    rec.update({"query_id": qid, "positive_id": pid, "negative_ids": image_ids + text_ids})
     return rec
 
 
@@ -201,13 +201,13 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
             bar.update(1)
     if bar is not None:
         bar.close()
-    texts = corpus_texts(root / "corpus.jsonl",
-                         {d for _, p, n in chosen for d in [p, *n]})
+    docs = corpus_texts(root / "corpus.jsonl",
+                        {d for _, p, n in chosen for d in [p, *n]})  # texts or ImageDocs
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         for qid, pid, negs in chosen:
-            f.write(json.dumps(_record(queries[qid], qid, pid, negs, texts, out.parent),
+            f.write(json.dumps(_record(queries[qid], qid, pid, negs, docs, out.parent),
                                ensure_ascii=False) + "\n")
             report.records += 1
             report.negatives_written += len(negs)

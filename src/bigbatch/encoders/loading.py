@@ -43,8 +43,10 @@ def _st_settings(path: Path) -> dict[str, Any]:
     return out
 
 
-_VL_KEYS = ("query_instruction", "doc_instruction", "max_num_visual_tokens",
-            "min_num_visual_tokens", "max_length", "normalize", "freeze_vision")
+# settings only the vision-language encoder takes; it also takes the shared two after them
+_VL_ONLY_KEYS = ("query_instruction", "doc_instruction", "max_num_visual_tokens",
+                 "min_num_visual_tokens", "freeze_vision")
+_VL_KEYS = _VL_ONLY_KEYS + ("max_length", "normalize")
 
 
 def _load_vision_language(path: Path, meta: dict[str, Any], overrides: dict[str, Any]) -> Any:
@@ -121,7 +123,7 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
         if key in meta:
             settings[key] = meta[key]
     given = {k: v for k, v in overrides.items() if v is not None}
-    vl_only = sorted(k for k in given if k in _VL_KEYS and k not in ("max_length", "normalize"))
+    vl_only = sorted(k for k in given if k in _VL_ONLY_KEYS)
     if vl_only:
         raise ConfigError(f"{vl_only} apply to vision-language models only; {path} is a text "
                           f"model")

@@ -137,7 +137,7 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
         self.image_token_id = int(config.image_token_id)
         self.vision_start_id = self._special_id(config, "vision_start_token_id", "<|vision_start|>")
         self.vision_end_id = self._special_id(config, "vision_end_token_id", "<|vision_end|>")
-        self._ids_cache: dict[Any, Any] = {}
+        self._template_cache: dict[str, tuple[list[int], list[int]]] = {}
         for name, text in (("query_instruction", query_instruction),
                            ("doc_instruction", doc_instruction)):
             bad = [t for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>",
@@ -206,13 +206,12 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
 
     def _template_ids(self, instruction: str) -> tuple[list[int], list[int]]:
         """Token ids of the prompt before and after the content, for one instruction."""
-        key = ("template", instruction)
-        if key not in self._ids_cache:
+        if instruction not in self._template_cache:
             head, tail = TEMPLATE.split("{content}")
-            self._ids_cache[key] = tuple(
+            self._template_cache[instruction] = tuple(
                 self.tokenizer(part, add_special_tokens=False)["input_ids"]
                 for part in (head.replace("{instruction}", instruction), tail))
-        return self._ids_cache[key]
+        return self._template_cache[instruction]
 
     def _text_ids(self, texts: list[str]) -> list[list[int]]:
         """Each user text tokenized once, cut to ``max_length`` tokens. The text is taken
