@@ -104,10 +104,8 @@ def test_epoch_batches_deterministic_and_sharded():
     assert [(x.epoch, x.index) for x in (next(it), next(it), next(it))] == [(0, 1), (1, 0), (1, 1)]
 
 
-def test_query_side_corpus_holds_each_passage_once(tmp_path, monkeypatch):
-    """Query-side tuning against the corpus: a passage named by corpus id as one record's
-    positive and written out as another's negative is one corpus row, and the row is that
-    record's positive (a second row would be a false negative in CorpusInfoNCE)."""
+def _fixed_corpus(tmp_path, data, recs):
+    """Query-side tuning's whole-corpus negatives for ``recs`` (tiny BERT, corpus negatives)."""
     import torch
 
     from bigbatch.distributed import WorldInfo
@@ -116,6 +114,18 @@ def test_query_side_corpus_holds_each_passage_once(tmp_path, monkeypatch):
     from bigbatch.train.loop import _FixedCorpus
     from pipeline_helpers import tiny_bert
 
+    config = TrainConfig(model="unused", train_data=str(data), output_dir=str(tmp_path / "o"),
+                         mode="query-side-tune", doc_negatives="corpus")
+    enc = TextEncoder(tiny_bert(tmp_path / "bert"), max_length=16).eval()
+    return _FixedCorpus(config, recs, enc, torch.device("cpu"), WorldInfo())
+
+
+def test_query_side_corpus_holds_each_passage_once(tmp_path, monkeypatch):
+    """Query-side tuning against the corpus: a passage named by corpus id as one record's
+    positive and written out as another's negative is one corpus row, and the row is that
+    record's positive (a second row would be a false negative in CorpusInfoNCE)."""
+    import torch
+
     monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "cache"))
     f = write(tmp_path / "t.jsonl", [
         {"query": "q1", "positive": "shared passage", "positive_id": "d7"},
@@ -123,10 +133,7 @@ def test_query_side_corpus_holds_each_passage_once(tmp_path, monkeypatch):
         {"query": "q1", "positive": "third passage"},  # q1 has two positives
     ])
     recs = load_records(f)
-    config = TrainConfig(model="unused", train_data=str(f), output_dir=str(tmp_path / "o"),
-                         mode="query-side-tune", doc_negatives="corpus")
-    enc = TextEncoder(tiny_bert(tmp_path / "bert"), max_length=16).eval()
-    corpus = _FixedCorpus(config, recs, enc, torch.device("cpu"), WorldInfo())
+    corpus = _fixed_corpus(tmp_path, f, recs)
     assert len(corpus.ids) == 4 and corpus.emb.shape[0] == 4  # shared, second, x y, third
     batch = EpochBatches(recs, batch_size=3).batch(0, 0)
     t = corpus.targets(batch, torch.device("cpu"))
@@ -142,12 +149,6 @@ def test_query_side_corpus_masks_a_duplicate_under_another_id(tmp_path, monkeypa
     masked for that query, not scored as a negative equal to its positive."""
     import torch
 
-    from bigbatch.distributed import WorldInfo
-    from bigbatch.encoders import TextEncoder
-    from bigbatch.train import TrainConfig
-    from bigbatch.train.loop import _FixedCorpus
-    from pipeline_helpers import tiny_bert
-
     monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "cache"))
     beir = tmp_path / "beir"
     (beir / "qrels").mkdir(parents=True)
@@ -157,10 +158,7 @@ def test_query_side_corpus_masks_a_duplicate_under_another_id(tmp_path, monkeypa
     write(beir / "queries.jsonl", [{"_id": "q1", "text": "first"}, {"_id": "q2", "text": "second"}])
     (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\n")
     recs = load_records(beir)
-    config = TrainConfig(model="unused", train_data=str(beir), output_dir=str(tmp_path / "o"),
-                         mode="query-side-tune", doc_negatives="corpus")
-    enc = TextEncoder(tiny_bert(tmp_path / "bert"), max_length=16).eval()
-    corpus = _FixedCorpus(config, recs, enc, torch.device("cpu"), WorldInfo())
+    corpus = _fixed_corpus(tmp_path, beir, recs)
     assert corpus.ids == ["d1", "d2", "d3"]
     batch = EpochBatches(recs, batch_size=2).batch(0, 0)
     t = corpus.targets(batch, torch.device("cpu"))
