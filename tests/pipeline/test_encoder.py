@@ -183,3 +183,52 @@ def test_vision_flags_on_a_text_model_are_an_error(tiny):
                                           r"vision-language models only"):
         load_encoder(tiny, max_num_visual_tokens=16)
     assert load_encoder(tiny, max_length=20).max_length == 20
+
+
+@pytest.mark.parametrize("mode", ["full", "lora", "lora-merged"])
+def test_query_side_tuned_folder_reloads_its_frozen_document_tower(tiny, tmp_path, mode):
+    """Query-side tuning embeds documents with the base weights; the saved folder must reload
+    that tower in every save mode (a merged LoRA save used to record no base model, and the
+    reloaded encoder then embedded documents with the fine-tuned weights)."""
+    from bigbatch.encoders import load_encoder
+
+    enc = TextEncoder(tiny, lora_r=4 if mode != "full" else 0, lora_alpha=8, max_length=64)
+    enc.use_base_doc_tower()
+    base_docs = enc.encode(TEXTS, kind="doc")
+    with torch.no_grad():  # "training": move the trainable weights away from the base
+        for p in enc.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    queries = enc.encode(TEXTS, kind="query")
+    assert torch.allclose(enc.encode(TEXTS, kind="doc"), base_docs, atol=1e-6)
+    out = enc.save(tmp_path / "final", merge_lora=mode == "lora-merged")
+    back = load_encoder(out)
+    assert back.doc_tower == "base"
+    assert torch.allclose(back.encode(TEXTS, kind="query"), queries, atol=1e-5)
+    assert torch.allclose(back.encode(TEXTS, kind="doc"), base_docs, atol=1e-5)
+    assert not torch.allclose(queries, base_docs, atol=1e-3)  # the tuning is really in there
+
+
+def test_saved_folder_names_its_base_model_by_absolute_path(tiny, tmp_path, monkeypatch):
+    """A model given by a relative path is recorded as an absolute one, so the adapter (and
+    ``bigbatch_encoder.json``) load from any working directory, as peft and
+    sentence-transformers load them."""
+    import json
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    from bigbatch.encoders import load_encoder
+
+    shutil.copytree(tiny, tmp_path / "models" / "bert")
+    monkeypatch.chdir(tmp_path)
+    enc = _trained("models/bert", lora=True)
+    ours = enc.encode(TEXTS, kind="doc")
+    out = enc.save(tmp_path / "final")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    recorded = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == str(tmp_path / "models" / "bert")
+    assert json.loads((out / "bigbatch_encoder.json").read_text())["base_model"] == recorded
+    assert torch.allclose(load_encoder(out).encode(TEXTS, kind="doc"), ours, atol=1e-5)
+    st = SentenceTransformer(str(out), device="cpu")
+    assert torch.allclose(torch.tensor(st.encode(TEXTS, prompt_name="document")), ours, atol=1e-5)

@@ -12,7 +12,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["EncoderBase", "FrozenDocTower", "pool", "load_pretrained"]
+__all__ = ["EncoderBase", "FrozenDocTower", "pool", "load_pretrained", "model_reference"]
+
+
+def model_reference(model: str | os.PathLike) -> str:
+    """How a base model is recorded in saved folders (``base_model``, the adapter's
+    ``base_model_name_or_path``): an existing local folder as its absolute path, so the
+    folder loads from any working directory; a hub name as given."""
+    path = Path(model)
+    return str(path.resolve()) if path.exists() else str(model)
 
 
 def load_pretrained(name: str, allowed_missing: tuple[str, ...] = (), **kwargs: Any) -> nn.Module:
@@ -54,8 +62,10 @@ def pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
 
 
 class EncoderBase:
-    """Shared encoder behaviour; subclasses set ``model``, ``tokenizer``, ``model_name``,
-    ``lora_r`` and implement ``_embed(model, **inputs)``.
+    """Shared encoder behaviour; subclasses set ``model``, ``tokenizer``, ``model_name``
+    (where the weights came from: the base model, or the adapter folder once one is attached),
+    ``base_model_name`` (the base model the weights or adapter sit on), ``lora_r`` and
+    implement ``_embed(model, **inputs)``.
 
     Query-side tuning: documents embedded by the frozen initial weights.
 
@@ -76,15 +86,16 @@ class EncoderBase:
         import copy
 
         self.doc_tower = "base"
-        if self.is_lora:
+        if self.is_lora:  # the adapter disabled; named so that a merged save can reload it
+            self._doc_base_name = self.base_model_name
             return
         if base_model is not None:
             base = load_pretrained(str(base_model), self._allowed_missing).to(
                 next(self.parameters()).device)
-            self._doc_base_name = str(base_model)
+            self._doc_base_name = model_reference(base_model)
         else:
             base = copy.deepcopy(self.model)
-            self._doc_base_name = self.model_name
+            self._doc_base_name = self.base_model_name
         base.requires_grad_(False).eval()
         object.__setattr__(self, "_doc_base", base)  # not a submodule: never trained or saved
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from .base import EncoderBase, load_pretrained, pool
+from .base import EncoderBase, load_pretrained, model_reference, pool
 
 __all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES"]
 
@@ -109,7 +109,7 @@ class TextEncoder(EncoderBase, nn.Module):
             raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
         if max_length <= 0:
             raise ConfigError(f"max_length must be > 0, got {max_length}")
-        self.model_name = str(model)
+        self.model_name = self.base_model_name = model_reference(model)
         self.pooling = pooling
         self.normalize = normalize
         self.max_length = max_length
@@ -132,6 +132,7 @@ class TextEncoder(EncoderBase, nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.model_name = getattr(model.config, "_name_or_path", "") or "custom"
+        self.base_model_name = self.model_name
         self.pooling = kwargs.get("pooling", "mean")
         self.normalize = kwargs.get("normalize", True)
         self.max_length = kwargs.get("max_length", 256)
@@ -262,6 +263,6 @@ class TextEncoder(EncoderBase, nn.Module):
         (path / "bigbatch_encoder.json").write_text(json.dumps({
             "pooling": self.pooling, "normalize": self.normalize, "max_length": self.max_length,
             "query_prefix": self.query_prefix, "doc_prefix": self.doc_prefix,
-            "lora": self.is_lora and not merge_lora, "base_model": self.model_name,
+            "lora": self.is_lora and not merge_lora, "base_model": self.base_model_name,
             **self.frozen_doc_meta()}, indent=2))
         return path

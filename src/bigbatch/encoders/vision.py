@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from ..data.images import ImageDoc, load_image
 from ..errors import ConfigError, InputError
-from .base import EncoderBase, load_pretrained, pool
+from .base import EncoderBase, load_pretrained, model_reference, pool
 
 __all__ = ["VisionLanguageEncoder", "VL_MODEL_TYPES", "QUERY_INSTRUCTION", "DOC_INSTRUCTION",
            "is_vision_language_model", "pixels_per_visual_token"]
@@ -107,7 +107,7 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
         super().__init__()
         from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-        self.model_name = str(model)
+        self.model_name = self.base_model_name = model_reference(model)
         config = AutoConfig.from_pretrained(self.model_name)
         self.model_type = config.model_type
         self.pixels_per_token = pixels_per_visual_token(self.model_type)
@@ -349,7 +349,7 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
         proc.size = {"shortest_edge": lo, "longest_edge": hi}
         proc.save_pretrained(path)
         meta = self.settings()
-        meta.update(lora=self.is_lora and not merge_lora, base_model=self.model_name,
+        meta.update(lora=self.is_lora and not merge_lora, base_model=self.base_model_name,
                     pooling="last")
         meta.update(self.frozen_doc_meta())
         (path / "bigbatch_encoder.json").write_text(json.dumps(meta, indent=2))
