@@ -81,3 +81,57 @@ def test_required_options_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         load_config(tmp_path / "nope.yaml")
     assert TrainConfig(model="m", train_data="d", lora_r=0, lora_alpha=0).validate().full_finetune
+
+
+def _st_folder(tmp_path, pooling="pooling_mode_cls_token", extra_module=None):
+    """A tiny BERT folder with a sentence-transformers pipeline (CLS pooling, prompts, 96)."""
+    import json
+
+    from pipeline_helpers import tiny_bert
+
+    path = tiny_bert(tmp_path / "st")
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if extra_module:
+        modules.append({"idx": 2, "name": "2", "path": "2_X", "type": extra_module})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, pooling: True}))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 96}))
+    (path / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "Represent this sentence: ", "document": ""}}))
+    return path
+
+
+def test_a_sentence_transformers_model_trains_as_it_embeds(tmp_path):
+    """Options not given come from the model folder's sentence-transformers configuration,
+    as ``bigbatch mine`` / ``eval`` (load_encoder) read them; given ones win."""
+    from bigbatch.encoders import load_encoder
+
+    path = _st_folder(tmp_path)
+    c = load_config(None, {"model": str(path), "train_data": "d"})
+    assert (c.pooling, c.max_length, c.query_prefix, c.doc_prefix) == \
+        ("cls", 96, "Represent this sentence: ", "")
+    enc = load_encoder(path)
+    assert (enc.pooling, enc.max_length, enc.query_prefix) == (c.pooling, c.max_length, c.query_prefix)
+    c = load_config(None, {"model": str(path), "train_data": "d", "pooling": "mean",
+                           "query_prefix": ""})
+    assert (c.pooling, c.max_length, c.query_prefix) == ("mean", 96, "")
+    # a plain transformers folder or a hub name keeps the defaults
+    assert load_config(None, {"model": "m", "train_data": "d"}).pooling == "mean"
+
+
+@pytest.mark.parametrize("what", ["dense", "max-pooling"])
+def test_a_sentence_transformers_pipeline_bigbatch_cannot_reproduce_is_refused(tmp_path, what):
+    from bigbatch.encoders import load_encoder
+
+    path = _st_folder(tmp_path, **({"extra_module": "sentence_transformers.models.Dense"}
+                                   if what == "dense" else {"pooling": "pooling_mode_max_tokens"}))
+    with pytest.raises(ConfigError, match="Dense" if what == "dense" else "max_tokens"):
+        load_encoder(path)
+    with pytest.raises(ConfigError, match="explicitly"):
+        load_config(None, {"model": str(path), "train_data": "d"})
+    given = {k: v for k, v in (("pooling", "cls"), ("max_length", 64), ("query_prefix", ""),
+                               ("doc_prefix", ""))}
+    assert load_config(None, {"model": str(path), "train_data": "d", **given}).pooling == "cls"

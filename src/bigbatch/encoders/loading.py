@@ -13,25 +13,46 @@ from typing import Any
 from ..errors import ConfigError
 from .text import TextEncoder
 
-__all__ = ["load_encoder"]
+__all__ = ["load_encoder", "st_settings"]
+
+# sentence-transformers modules the text encoder reproduces exactly
+_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+_ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last",
+               "pooling_mode_mean_tokens": "mean"}
 
 
-def _st_settings(path: Path) -> dict[str, Any]:
-    """Pooling, normalisation, max length and prompts from a sentence-transformers folder."""
+def st_settings(path: str | Path) -> dict[str, Any]:
+    """Pooling, normalisation, max length and prompts from a sentence-transformers folder
+    (empty for a plain transformers folder).
+
+    Raises:
+        ConfigError: the folder's pipeline is one the text encoder cannot reproduce (a Dense
+            or other extra module, max / weighted / sqrt-length pooling, a prompt excluded
+            from pooling): its embeddings would silently differ from the model's own.
+    """
+    path = Path(path)
     out: dict[str, Any] = {}
+    modules = path / "modules.json"
+    if modules.exists():
+        types = [m.get("type", "") for m in json.loads(modules.read_text())]
+        other = [t for t in types if t.rsplit(".", 1)[-1] not in _ST_MODULES]
+        if other:
+            raise ConfigError(f"{modules}: sentence-transformers module(s) {other} are not "
+                              f"supported (bigbatch encodes Transformer -> Pooling -> "
+                              f"Normalize); the embeddings would differ from the model's")
+        out["normalize"] = any(t.endswith("Normalize") for t in types)
     pool = path / "1_Pooling" / "config.json"
     if pool.exists():
         cfg = json.loads(pool.read_text())
-        if cfg.get("pooling_mode_cls_token"):
-            out["pooling"] = "cls"
-        elif cfg.get("pooling_mode_lasttoken"):
-            out["pooling"] = "last"
-        else:
-            out["pooling"] = "mean"
-    modules = path / "modules.json"
-    if modules.exists():
-        out["normalize"] = any("Normalize" in m.get("type", "")
-                               for m in json.loads(modules.read_text()))
+        modes = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v]
+        unsupported = [k for k in modes if k not in _ST_POOLING]
+        if unsupported or len(modes) > 1:
+            raise ConfigError(f"{pool}: pooling {modes} is not supported; bigbatch pools by "
+                              f"one of mean, cls or last token")
+        out["pooling"] = _ST_POOLING[modes[0]] if modes else "mean"
+        if cfg.get("include_prompt") is False:
+            raise ConfigError(f"{pool}: include_prompt false (the prompt left out of pooling) "
+                              f"is not supported")
     sbc = path / "sentence_bert_config.json"
     if sbc.exists():
         out["max_length"] = int(json.loads(sbc.read_text()).get("max_seq_length", 256))
@@ -118,7 +139,7 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
 
     if is_vision_language_model(path):
         return _load_vision_language(path, meta, overrides)
-    settings = _st_settings(path)
+    settings = st_settings(path)
     for key in ("pooling", "normalize", "max_length", "query_prefix", "doc_prefix"):
         if key in meta:
             settings[key] = meta[key]

@@ -236,4 +236,29 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         k = k.replace("-", "_")
         _check_keys([k], "command line")
         values[k] = v
+    values = _model_defaults(values)
     return TrainConfig(**values).validate()
+
+
+# what a sentence-transformers model folder says about how it embeds
+_ST_KEYS = ("pooling", "max_length", "query_prefix", "doc_prefix")
+
+
+def _model_defaults(values: dict[str, Any]) -> dict[str, Any]:
+    """Options the user did not set, taken from a text model folder's sentence-transformers
+    configuration (pooling, max length, query/document prompts), so a CLS-pooled, prompted
+    model trains as it embeds, and as ``bigbatch mine`` / ``eval`` embed with it."""
+    model = values.get("model")
+    if not model or all(k in values for k in _ST_KEYS) or not Path(model).is_dir():
+        return values
+    from ..encoders.loading import st_settings
+    from ..encoders.vision import is_vision_language_model
+
+    if values.get("encoder") == "vision-language" or is_vision_language_model(model):
+        return values
+    try:
+        found = st_settings(model)
+    except ConfigError as e:
+        raise ConfigError(f"{e}. To fine-tune the transformer alone, give --pooling, "
+                          f"--max-length, --query-prefix and --doc-prefix explicitly") from e
+    return {**{k: found[k] for k in _ST_KEYS if k in found}, **values}
