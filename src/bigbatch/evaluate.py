@@ -24,10 +24,11 @@ import torch
 from torch import Tensor
 
 __all__ = ["retrieval_metrics", "evaluate_retrieval", "evaluate_beir", "unseen_query_ids",
-           "METRIC_NAMES"]
+           "check_beir_split", "METRIC_NAMES", "LOWER_IS_BETTER"]
 
 METRIC_NAMES = ("ndcg@10", "recall@1", "recall@5", "recall@10", "mrr@10", "pos_sim", "neg_sim",
                 "margin")
+LOWER_IS_BETTER = ("neg_sim",)  # the mean similarity to non-relevant documents
 
 
 def retrieval_metrics(ranked: Mapping[str, Sequence[str]],
@@ -101,6 +102,47 @@ def unseen_query_ids(root: str | Path, split: str = "test", seen_split: str = "t
     qrels = load_qrels(Path(root) / "qrels" / f"{split}.tsv")
     return sorted(q for q, rels in qrels.items()
                   if not any(d in seen for d, r in rels.items() if r > 0))
+
+
+def check_beir_split(root: str | Path, split: str = "test",
+                     metric: str | None = None) -> None:
+    """Check, without embedding anything, that :func:`evaluate_beir` can run on ``split`` of
+    ``root`` (qrels, their queries and corpus ids present) and that ``metric`` will be among
+    its results (an ``unseen/`` metric needs ``qrels/train.tsv`` and at least one unseen
+    query), so a run finds a bad evaluation set before training, not after it.
+
+    Raises:
+        DataError: a missing file, a malformed line, a qrels id missing from the corpus or
+            queries, or a metric the split cannot give.
+    """
+    from .data.beir import load_qrels, load_queries
+    from .data.jsonl import iter_jsonl
+    from .errors import DataError
+
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError("evaluation data must be a BEIR directory (corpus.jsonl, "
+                        "queries.jsonl, qrels/<split>.tsv)", path=str(root))
+    qrels = load_qrels(root / "qrels" / f"{split}.tsv")
+    load_queries(root / "queries.jsonl", set(qrels))
+    corpus = root / "corpus.jsonl"
+    if not corpus.exists():
+        raise DataError("file not found", path=str(corpus))
+    ids = set()
+    for n, rec, problem in iter_jsonl(corpus):
+        if problem is not None or "_id" not in rec:
+            raise DataError(problem or "missing key", path=str(corpus), line=n,
+                            field=None if problem else "_id")
+        ids.add(str(rec["_id"]))
+    missing = sorted({d for rel in qrels.values() for d in rel if d not in ids})
+    if missing:
+        raise DataError(f"{len(missing)} corpus ids of qrels/{split}.tsv are not in corpus.jsonl "
+                        f"(first: {missing[0]!r})", path=str(corpus))
+    if metric is not None and metric.startswith("unseen/") and \
+            not unseen_query_ids(root, split, "train"):
+        raise DataError(f"the metric {metric!r} needs queries of {split} whose relevant "
+                        f"documents are absent from qrels/train.tsv; there are none (or no "
+                        f"qrels/train.tsv)", path=str(root / "qrels"))
 
 
 def evaluate_beir(encoder: Any, root: str | Path, split: str = "test", batch_size: int = 64,

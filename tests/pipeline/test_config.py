@@ -68,6 +68,14 @@ def test_bad_yaml_values(tmp_path, key, value, match):
     (["--dtype", "int8"], "--dtype: must be one of"),
     (["--best-metric", "bleu"], "--best-metric"),
     (["--lora-alpha", "0"], "--lora-alpha: 0 means full fine-tuning"),
+    # values that used to be accepted, then failed deep inside (or were silently changed)
+    (["--temperature", "0.005"], "--temperature: a learnable temperature is kept in"),
+    (["--temperature", "2"], "--temperature: a learnable temperature is kept in"),
+    (["--logit-scale-lr", "-1"], "--logit-scale-lr: must be > 0"),
+    (["--query-max-length", "-5"], "--query-max-length: must be > 0"),
+    (["--weight-decay", "-0.1"], "--weight-decay: must be >= 0"),
+    (["--dist-timeout", "0"], "--dist-timeout: must be > 0"),
+    (["--device", "gpu"], "--device: not a torch device"),
 ])
 def test_bad_flag_values(argv, match):
     path, over = flags("--model", "m", "--train-data", "d", *argv)
@@ -135,3 +143,9 @@ def test_a_sentence_transformers_pipeline_bigbatch_cannot_reproduce_is_refused(t
     given = {k: v for k, v in (("pooling", "cls"), ("max_length", 64), ("query_prefix", ""),
                                ("doc_prefix", ""))}
     assert load_config(None, {"model": str(path), "train_data": "d", **given}).pooling == "cls"
+
+
+def test_a_fixed_temperature_may_lie_outside_the_learnable_range():
+    path, over = flags("--model", "m", "--train-data", "d", "--temperature", "0.005",
+                       "--fixed-temperature")
+    assert load_config(path, over).temperature == 0.005

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from bigbatch.evaluate import evaluate_retrieval, retrieval_metrics, unseen_query_ids
+from bigbatch.errors import DataError
+from bigbatch.evaluate import (check_beir_split, evaluate_retrieval, retrieval_metrics,
+                               unseen_query_ids)
 
 
 def test_metrics_by_hand():
@@ -50,3 +52,30 @@ def test_exact_search_and_similarities():
 def test_unseen_queries_of_scifact():
     from pipeline_helpers import SCIFACT
     assert len(unseen_query_ids(SCIFACT, "test", "train")) == 104
+
+
+def test_check_beir_split_finds_what_evaluation_would_fail_on(tmp_path):
+    """Checked before training, so a bad evaluation set is not found after the last step."""
+    import shutil
+
+    from pipeline_helpers import scifact_slice
+
+    data = scifact_slice(tmp_path / "sf")
+    check_beir_split(data, "test", "unseen/ndcg@10")  # fine as it is
+    with pytest.raises(DataError, match="qrels file not found"):
+        check_beir_split(data, "dev")
+    with pytest.raises(DataError, match="BEIR directory"):
+        check_beir_split(data / "corpus.jsonl", "test")
+    bad = tmp_path / "bad"
+    shutil.copytree(data, bad)
+    import json
+    gone = (bad / "qrels" / "test.tsv").read_text().splitlines()[1].split("\t")[1]
+    lines = (bad / "corpus.jsonl").read_text().splitlines(keepends=True)
+    (bad / "corpus.jsonl").write_text("".join(l for l in lines if json.loads(l)["_id"] != gone))
+    with pytest.raises(DataError, match="corpus ids of qrels/test.tsv are not in corpus.jsonl"):
+        check_beir_split(bad, "test")
+    (bad / "qrels" / "train.tsv").unlink()
+    shutil.copy(data / "corpus.jsonl", bad / "corpus.jsonl")
+    check_beir_split(bad, "test", "ndcg@10")
+    with pytest.raises(DataError, match="unseen/ndcg@10"):
+        check_beir_split(bad, "test", "unseen/ndcg@10")

@@ -124,3 +124,67 @@ def test_command_line_end_to_end(assets, tmp_path, capsys):
     from sentence_transformers import SentenceTransformer
     emb = SentenceTransformer(str(out / "final"), device="cpu").encode(["a claim"])
     assert emb.shape == (1, 32)
+
+
+def test_a_bad_evaluation_split_stops_the_run_before_step_one(assets, tmp_path):
+    from bigbatch.errors import DataError
+
+    tiny, data = assets
+    out = tmp_path / "run"
+    with pytest.raises(DataError, match="qrels file not found"):
+        train(config(assets, out, eval_data=str(data), eval_split="dev"))
+    assert latest_checkpoint(out) is None and not (out / "metrics.jsonl").exists()
+
+
+def test_the_weights_are_saved_before_the_final_evaluation(assets, tmp_path, monkeypatch):
+    """An evaluation that fails at the end (out of memory, a bug) loses no training."""
+    import bigbatch.evaluate
+
+    def failing(*a, **kw):
+        raise MemoryError("evaluation ran out of memory")
+
+    monkeypatch.setattr(bigbatch.evaluate, "evaluate_beir", failing)
+    out = tmp_path / "run"
+    with pytest.raises(MemoryError):
+        train(config(assets, out, eval_data=str(assets[1]), max_steps=4, save_steps=0))
+    assert latest_checkpoint(out).name == "checkpoint-000004"
+    assert (out / "final" / "adapter_model.safetensors").exists()
+
+
+def test_resume_refuses_other_data_settings_or_process_count(assets, tmp_path):
+    import shutil
+
+    from bigbatch.errors import ConfigError
+
+    out = tmp_path / "run"
+    train(config(assets, out), _stop_after=3)
+    with pytest.raises(ConfigError, match="batch_size=8, this run has 16"):
+        train(config(assets, out, batch_size=16, resume=str(out)))
+    with pytest.raises(ConfigError, match="seed=3, this run has 7"):
+        train(config(assets, out, seed=7, resume=str(out)))
+    ckpt = latest_checkpoint(out)
+    shutil.copy(ckpt / "rng_state_rank0.pt", ckpt / "rng_state_rank1.pt")
+    with pytest.raises(ConfigError, match="written by 2 process"):
+        train(config(assets, out, resume=str(out)))
+
+
+def test_best_follows_the_metric_direction_and_the_logged_lr_is_the_one_used(assets, tmp_path):
+    """neg_sim is better when lower; the lr logged for a step is the rate that step used."""
+    out = tmp_path / "run"
+    summary = train(config(assets, out, eval_data=str(assets[1]), eval_steps=1, max_steps=4,
+                           best_metric="neg_sim", scheduler="constant", warmup_steps=4,
+                           eval_batch_size=64))
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["neg_sim"] for r in rows if r["kind"] == "eval"}
+    assert sorted(evals) == [1, 2, 3, 4]
+    assert summary["best"] == min(evals.values())
+    assert summary["best_step"] == min(evals, key=evals.get)
+    lrs = [r["lr"] for r in rows if r["kind"] == "train"]
+    assert lrs == pytest.approx([1e-3 * s / 4 for s in (1, 2, 3, 4)])  # warmup from 1/4
+
+
+def test_a_max_length_beyond_the_models_positions_is_refused(assets, tmp_path):
+    from bigbatch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--max-length: 200 is more than the 128 positions"):
+        train(config(assets, tmp_path / "run", max_length=200))

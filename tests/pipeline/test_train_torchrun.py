@@ -1,5 +1,6 @@
 """``bigbatch train`` under ``torchrun --nproc_per_node=2`` (gloo): cross-device negatives give
-the single-process losses of the same global batch, and the run writes its outputs once."""
+the single-process losses of the same global batch, evaluation (on rank 0) and ``best/`` run
+in step on both ranks, and the run writes its outputs once."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def test_two_processes_match_one_process_on_the_global_batch(tmp_path):
     common = ["--model", str(tiny), "--train-data", str(data), *COMMON]
     two, printed = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc_per_node=2", "-m", "bigbatch.cli"],
-                       common + ["--batch-size", "8"], tmp_path / "two")
+                       common + ["--batch-size", "8", "--eval-data", str(data), "--eval-steps",
+                                 "2", "--eval-batch-size", "32"], tmp_path / "two")
     one, _ = run([sys.executable, "-m", "bigbatch.cli"], common + ["--batch-size", "16"],
                  tmp_path / "one")
     assert "global batch 16 (2 process(es) x 8)" in printed
@@ -43,5 +45,9 @@ def test_two_processes_match_one_process_on_the_global_batch(tmp_path):
         assert abs(r2["loss"] - r1["loss"]) <= 1e-3 * abs(r1["loss"])
     out = tmp_path / "two"
     assert (out / "final" / "model.safetensors").exists()
+    # rank 0 evaluated at step 2 and at the end; both ranks joined best/'s save
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [2, 3]
+    assert (out / "best" / "model" / "model.safetensors").exists()
     assert sorted(p.name for p in (out / "checkpoint-000003").glob("rng_state_rank*.pt")) == \
         ["rng_state_rank0.pt", "rng_state_rank1.pt"]

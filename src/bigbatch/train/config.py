@@ -18,6 +18,7 @@ from ..errors import ConfigError
 __all__ = ["TrainConfig", "load_config", "DTYPES"]
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_LOGIT_SCALE = 100.0  # the learnable temperature is clamped to [1 / this, 1] (LogitScale)
 ENCODERS = ("auto", "text", "vision-language")
 MODES = ("standard", "query-side-tune")
 
@@ -108,6 +109,24 @@ class TrainConfig:
             raise bad("lr", "must be > 0")
         if not self.temperature > 0:
             raise bad("temperature", "must be > 0")
+        if not self.fixed_temperature and not 1 / MAX_LOGIT_SCALE <= self.temperature <= 1:
+            raise bad("temperature", f"a learnable temperature is kept in "
+                                     f"[{1 / MAX_LOGIT_SCALE:g}, 1]; start it there (or give "
+                                     f"--fixed-temperature)")
+        if self.logit_scale_lr is not None and not self.logit_scale_lr > 0:
+            raise bad("logit_scale_lr", "must be > 0 (leave it out to use --lr)")
+        if self.query_max_length is not None and self.query_max_length <= 0:
+            raise bad("query_max_length", "must be > 0 (leave it out to use --max-length)")
+        if self.weight_decay < 0:
+            raise bad("weight_decay", "must be >= 0")
+        if not self.dist_timeout > 0:
+            raise bad("dist_timeout", "must be > 0 seconds")
+        if self.device is not None:
+            import torch
+            try:
+                torch.device(self.device)
+            except RuntimeError as e:
+                raise bad("device", "not a torch device (cpu, cuda, cuda:1, mps, ...)") from e
         if self.max_grad_norm < 0:
             raise bad("max_grad_norm", "must be >= 0 (0 turns clipping off)")
         if self.scheduler not in ("cosine", "constant"):

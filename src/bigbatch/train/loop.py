@@ -49,6 +49,36 @@ def _resume_path(resume: str) -> Path:
     return latest
 
 
+# settings that decide which records each step reads: a resume must keep them
+_DATA_KEYS = ("train_data", "train_split", "batch_size", "num_hard_negatives", "seed")
+
+
+def _check_resume_matches(ckpt: Path, config: TrainConfig, info: D.WorldInfo,
+                          num_records: int, saved_num_records: int | None = None) -> None:
+    """Refuse to resume from a checkpoint written with other data settings, another number of
+    processes or other training records: its data position (epoch, batch index) would then
+    name other records, and the run would silently skip or repeat some."""
+    import yaml
+
+    saved_file = ckpt / "config.yaml"
+    saved = yaml.safe_load(saved_file.read_text()) if saved_file.exists() else {}
+    for key in _DATA_KEYS:
+        now = getattr(config, key)
+        same = (os.path.realpath(str(saved[key])) == os.path.realpath(str(now))
+                if key == "train_data" and key in saved else saved.get(key, now) == now)
+        if not same:
+            raise ConfigError(f"--resume: {ckpt} was written with {key}={saved[key]!r}, this run "
+                              f"has {getattr(config, key)!r}; the saved data position would "
+                              f"name other records. Resume with the same {key}")
+    ranks = len(list(ckpt.glob("rng_state_rank*.pt")))
+    if ranks and ranks != info.world_size:
+        raise ConfigError(f"--resume: {ckpt} was written by {ranks} process(es), this run has "
+                          f"{info.world_size}; resume with the same number of processes")
+    if saved_num_records is not None and saved_num_records != num_records:
+        raise ConfigError(f"--resume: {ckpt} was trained on {saved_num_records} records, "
+                          f"{config.train_data} now holds {num_records}; the data changed")
+
+
 def _gather_rng_states(info: D.WorldInfo) -> list[dict[str, Any]]:
     mine = rng_state()
     if info.world_size == 1:
@@ -66,6 +96,21 @@ def _barrier(info: D.WorldInfo) -> None:
         dist.barrier()
 
 
+def _check_max_length(config: TrainConfig, model_config: Any) -> None:
+    """A max length beyond the model's position embeddings fails inside the model at the
+    first long batch, possibly hours in; refuse it now."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return
+    if "roberta" in str(getattr(model_config, "model_type", "")):
+        limit -= 2  # RoBERTa-family positions start after the padding index
+    for name in ("max_length", "query_max_length"):
+        value = getattr(config, name)
+        if value is not None and value > limit:
+            raise ConfigError(f"--{name.replace('_', '-')}: {value} is more than the "
+                              f"{limit} positions {config.model} has")
+
+
 def _build_encoder(config: TrainConfig, records: list, lora_r: int) -> Any:
     """The text or vision-language encoder the configuration asks for."""
     from ..data.images import ImageDoc
@@ -81,12 +126,14 @@ def _build_encoder(config: TrainConfig, records: list, lora_r: int) -> Any:
             raise ConfigError(f"{image.source}:{image.line}: the training data has image "
                               f"documents, but --model {config.model} is a text model; use a "
                               f"Qwen2-VL / Qwen2.5-VL / Qwen3-VL model")
-        return TextEncoder(config.model, pooling=config.pooling, max_length=config.max_length,
-                           query_prefix=config.query_prefix, doc_prefix=config.doc_prefix,
-                           lora_r=lora_r, lora_alpha=config.lora_alpha,
-                           lora_dropout=config.lora_dropout,
-                           lora_target_modules=config.lora_target_modules,
-                           gradient_checkpointing=config.gradient_checkpointing)
+        enc = TextEncoder(config.model, pooling=config.pooling, max_length=config.max_length,
+                          query_prefix=config.query_prefix, doc_prefix=config.doc_prefix,
+                          lora_r=lora_r, lora_alpha=config.lora_alpha,
+                          lora_dropout=config.lora_dropout,
+                          lora_target_modules=config.lora_target_modules,
+                          gradient_checkpointing=config.gradient_checkpointing)
+        _check_max_length(config, enc.model.config)
+        return enc
     from ..encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
 
     return VisionLanguageEncoder(
@@ -192,7 +239,7 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
     under ``"encoder"``, the trained encoder). ``_stop_after`` ends the run
     right after step N's checkpoint, as a kill would (for resume tests)."""
     from ..data import EpochBatches, load_records
-    from ..evaluate import evaluate_beir
+    from ..evaluate import LOWER_IS_BETTER, check_beir_split, evaluate_beir
 
     config.validate()
     info = D.init_distributed(timeout_s=config.dist_timeout)
@@ -201,6 +248,8 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
     records = load_records(config.train_data, config.train_split, config.num_hard_negatives)
+    if config.eval_data:  # a bad evaluation set stops the run now, not after training
+        check_beir_split(config.eval_data, config.eval_split, config.best_metric)
     if config.grad_cache_chunk > config.batch_size:
         config.grad_cache_chunk = config.batch_size
 
@@ -256,11 +305,14 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
                       cross_device=corpus is None)
 
     state: dict[str, Any] = {"step": 0, "epoch": 0, "index": 0, "best": None, "best_step": None,
-                             "examples": 0, "base_metrics": None}
+                             "examples": 0, "base_metrics": None, "num_records": len(records)}
     if config.resume:
         ckpt = _resume_path(config.resume)
+        _check_resume_matches(ckpt, config, info, len(records))
         state = load_checkpoint(ckpt, encoder=encoder, loss_fn=loss_fn, optimizer=optimizer,
                                 scheduler=scheduler, scaler=scaler, rank=info.rank)
+        _check_resume_matches(ckpt, config, info, len(records), state.get("num_records"))
+        state["num_records"] = len(records)
     else:
         torch.manual_seed(config.seed + info.rank)  # each rank its own dropout stream
 
@@ -291,7 +343,11 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
             shown = {k: round(v, 4) for k, v in metrics.items() if k in
                      ("ndcg@10", "recall@1", "recall@10", "mrr@10", "unseen/ndcg@10")}
             print(f"eval step {step}: {shown}", flush=True)
-        _barrier(info)
+        if info.world_size > 1:  # every rank takes the same branches after an evaluation
+            import torch.distributed as dist
+            box = [metrics]
+            dist.broadcast_object_list(box, src=0)
+            metrics = box[0]
         return metrics
 
     def save(path: Path) -> None:
@@ -302,14 +358,18 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
                             rank_states=states)
         _barrier(info)
 
+    lower_is_better = config.best_metric.removeprefix("unseen/") in LOWER_IS_BETTER
+
     def consider_best(metrics: dict[str, float] | None, step: int) -> None:
+        """Save ``best/`` when ``metrics`` (the same on every rank) improve on the best so far
+        (a NaN never counts as better)."""
         if metrics is None:
             return
         value = metrics.get(config.best_metric)
-        better = value is not None and (state["best"] is None or value > state["best"])
-        if info.world_size > 1:  # every rank must join the save's collectives
-            flag = D._exchange_ints([int(bool(better))])
-            better = bool(flag[0, 0])
+        if value is None or math.isnan(value):
+            return
+        best = state["best"]
+        better = best is None or (value < best if lower_is_better else value > best)
         if better:
             state["best"], state["best_step"] = value, step
             save(out / "best")
@@ -344,6 +404,7 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
             scaler.update()
         else:
             optimizer.step()
+        lr = scheduler.get_last_lr()[0]  # the rate this step used
         scheduler.step()
         loss_fn.clamp_()
         state["step"] += 1
@@ -351,7 +412,7 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
         state["examples"] += batches.global_batch
         step = state["step"]
         values = result.to_dict()
-        values.update(lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
+        values.update(lr=lr, grad_norm=float(grad_norm),
                       epoch=batch.epoch + (batch.index + 1) / len(batches),
                       examples_per_s=batches.global_batch / max(time.time() - t0, 1e-9))
         bar.update(1)
@@ -374,14 +435,17 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
             return {"steps": step, "stopped": True, "encoder": encoder}
     bar.close()
 
-    if state["step"] >= max_steps and last_eval_step != state["step"]:
-        last_metrics = evaluate(state["step"])
-        consider_best(last_metrics, state["step"])
+    # the weights first (checkpoint and final/), so a failing final evaluation loses nothing
     save(out / f"checkpoint-{state['step']:06d}")
     if info.is_main:
         rotate_checkpoints(out, config.save_total_limit)
         with atomic_dir(out / "final") as tmp:
             encoder.save(tmp, merge_lora=config.merge_lora)
+    _barrier(info)
+    if state["step"] >= max_steps and last_eval_step != state["step"]:
+        last_metrics = evaluate(state["step"])
+        consider_best(last_metrics, state["step"])
+    if info.is_main:
         if (out / "metrics.jsonl").exists():
             plot_metrics(out / "metrics.jsonl", out / "training_curves.png")
         logger.close()
