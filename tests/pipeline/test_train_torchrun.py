@@ -51,3 +51,37 @@ def test_two_processes_match_one_process_on_the_global_batch(tmp_path):
     assert (out / "best" / "model" / "model.safetensors").exists()
     assert sorted(p.name for p in (out / "checkpoint-000003").glob("rng_state_rank*.pt")) == \
         ["rng_state_rank0.pt", "rng_state_rank1.pt"]
+
+
+def _slow_main_rank_cases():
+    """Rank 0 works alone (as when it evaluates) for longer than the collective timeout."""
+    import time
+
+    from bigbatch.distributed import world_info
+    from bigbatch.train.loop import _barrier, _from_main
+
+    info = world_info()
+    if info.rank == 0:
+        time.sleep(5)
+    _barrier(info)
+    if info.rank == 0:
+        time.sleep(5)
+    got = _from_main({"ndcg@10": 0.5} if info.rank == 0 else None, info)
+    return {"got": got}
+
+
+def _wait_worker(rank, world, port, out_path):
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from dist_helpers import run_cases
+    run_cases(rank, world, port, out_path, {"slow_main": _slow_main_rank_cases}, timeout_s=2)
+
+
+def test_other_ranks_wait_for_the_main_rank_beyond_the_collective_timeout(tmp_path):
+    """``--dist-timeout`` bounds collectives; an evaluation on rank 0 may take longer (the
+    other ranks used to die in their barrier after --dist-timeout seconds)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from dist_helpers import spawn_and_collect
+
+    per_rank = spawn_and_collect(_wait_worker, tmp_path / "r.json")
+    assert [r["slow_main"]["got"] for r in per_rank] == [{"ndcg@10": 0.5}] * 2

@@ -10,6 +10,7 @@ import math
 import os
 import random
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +91,39 @@ def _gather_rng_states(info: D.WorldInfo) -> list[dict[str, Any]]:
     return states
 
 
+# how long the other ranks wait while the main rank evaluates, embeds a corpus or writes
+# a checkpoint alone: --dist-timeout bounds collectives, not how long an evaluation may take
+MAIN_RANK_WAIT = timedelta(days=2)
+_wait_groups: dict[int, Any] = {}
+
+
+def _wait_group() -> Any:
+    """A gloo group over all ranks with a :data:`MAIN_RANK_WAIT` timeout (created once per
+    default group, on every rank at the same point: its first use)."""
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD)
+    if key not in _wait_groups:
+        _wait_groups[key] = dist.new_group(backend="gloo", timeout=MAIN_RANK_WAIT)
+    return _wait_groups[key]
+
+
 def _barrier(info: D.WorldInfo) -> None:
+    """Every rank waits here until all arrive, however long the main rank's work took."""
     if info.world_size > 1:
         import torch.distributed as dist
-        dist.barrier()
+        dist.barrier(group=_wait_group())
+
+
+def _from_main(obj: Any, info: D.WorldInfo) -> Any:
+    """The main rank's ``obj`` on every rank (the others wait as in :func:`_barrier`)."""
+    if info.world_size == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=_wait_group())
+    return box[0]
 
 
 def _check_max_length(config: TrainConfig, model_config: Any) -> None:
@@ -343,12 +373,7 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
             shown = {k: round(v, 4) for k, v in metrics.items() if k in
                      ("ndcg@10", "recall@1", "recall@10", "mrr@10", "unseen/ndcg@10")}
             print(f"eval step {step}: {shown}", flush=True)
-        if info.world_size > 1:  # every rank takes the same branches after an evaluation
-            import torch.distributed as dist
-            box = [metrics]
-            dist.broadcast_object_list(box, src=0)
-            metrics = box[0]
-        return metrics
+        return _from_main(metrics, info)  # every rank takes the same branches after it
 
     def save(path: Path) -> None:
         states = _gather_rng_states(info)
