@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,11 @@ class Doc:
 
 @dataclass
 class Record:
+    """One (query, positive, negatives) example as read from ``source`` (the file or BEIR
+    directory it came from, line ``line``). Relative image and text-file paths of its
+    documents are relative to ``source``'s folder; with ``source`` empty they are taken as
+    already relative to wherever the record is written."""
+
     query: str
     positive: Doc
     negatives: list[Doc] = field(default_factory=list)
@@ -331,13 +337,40 @@ def _swift_conv(d: Doc, instruction: str) -> tuple[list[dict], list[str]]:
             [d.image] if d.image else [])
 
 
+def _source_folder(r: Record) -> Path | None:
+    """The folder ``r``'s relative paths resolve against (None: written as they are)."""
+    if not r.source:
+        return None
+    src = Path(r.source)
+    return src if src.is_dir() else src.parent
+
+
+def _rebase(r: Record, out_dir: Path) -> Record:
+    """``r`` with each relative image or text-file path resolved against its source's folder
+    and written relative to ``out_dir`` (where readers of the output resolve it); absolute
+    paths are kept as they are."""
+    base = _source_folder(r)
+    if base is None:
+        return r
+
+    def doc(d: Doc) -> Doc:
+        ref = d.image or d.path
+        if ref is None or Path(ref).is_absolute():
+            return d
+        new = os.path.relpath(os.path.abspath(base / ref), os.path.abspath(out_dir))
+        return replace(d, image=new) if d.image else replace(d, path=new)
+
+    return replace(r, positive=doc(r.positive), negatives=[doc(d) for d in r.negatives])
+
+
 def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_lossy: bool = False,
                   query_instruction: str = SWIFT_QUERY_INSTRUCTION,
                   doc_instruction: str = SWIFT_DOC_INSTRUCTION,
                   split: str = "train") -> dict[str, Any]:
     """Write ``records`` as ``fmt``; returns a report. What ``fmt`` cannot hold raises
     :class:`DataError` listing the records, unless ``allow_lossy`` (then it is dropped and
-    counted in the report)."""
+    counted in the report). Relative image and text-file paths are rebased from each
+    record's source folder to the output's folder, so they name the same files."""
     out = Path(out)
     lossy = _lossy(records, fmt)
     if lossy and not allow_lossy:
@@ -346,7 +379,8 @@ def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_los
                         f"{shown}\nconvert to another format, or pass --allow-lossy to drop "
                         f"them (they are counted in the report)")
     dropped = {id(r) for r, _ in lossy}
-    keep = [r for r in records if id(r) not in dropped]
+    out_dir = out if fmt == "beir" else out.parent
+    keep = [_rebase(r, out_dir) for r in records if id(r) not in dropped]
     report = {"format": fmt, "written": len(keep), "dropped": len(lossy),
               "dropped_reasons": sorted({why for _, why in lossy})}
     if fmt == "beir":
