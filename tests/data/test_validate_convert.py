@@ -48,11 +48,11 @@ def test_each_validator_finding_with_its_line(tmp_path):
     n, problems = validate_file(f)
     found = {(p.line, p.field, p.message.split(" (")[0].split(":")[0]) for p in problems}
     text = "\n".join(str(p) for p in problems)
-    assert f"{f}:1, field 'negatives[0]': cannot read 'ok2.png'" in text
+    assert f"{f}:1, field 'neg_chunk_paths[0]': image file not found" in text
     assert f"{f}:2: malformed JSON" in text
     assert f"{f}:3, field 'query': missing" in text
     assert f"{f}:4, field 'query': must be non-empty text" in text
-    assert f"{f}:5, field 'positive': 'broken.png' is not a readable image" in text
+    assert f"{f}:5, field 'chunk_path': cannot read image" in text
     assert f"{f}:6, field 'negatives[0]': a negative equals the positive" in text
     assert f"{f}:7, field 'query': duplicate query with the same positive (first on line 6)" in text
     assert f"{f}:8, field 'negatives': 2 negatives where the file usually has 1" in text

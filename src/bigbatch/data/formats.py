@@ -94,7 +94,7 @@ def detect_format(path: str | Path) -> str:
         return "beir"
     if path.suffix == ".parquet":
         return "st"
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # the reader reports bad bytes
         for line in f:
             if line.strip():
                 try:
@@ -116,7 +116,7 @@ def _jsonl(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
 
     for n, rec, problem in iter_jsonl(path):
         if problem is not None:
-            problems.append(Problem(str(path), n, None, problem))
+            problems.append(Problem(str(path), n, problem.field, str(problem)))
         else:
             yield n, rec
 

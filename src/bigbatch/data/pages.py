@@ -109,7 +109,7 @@ def render_beir_pages(src: str | Path, out: str | Path, *, splits: tuple[str, ..
     corpus: list[dict] = []
     for n, rec, problem in iter_jsonl(src / "corpus.jsonl"):
         if problem is not None:
-            raise DataError(problem, path=str(src / "corpus.jsonl"), line=n)
+            raise DataError(problem, path=str(src / "corpus.jsonl"), line=n, field=problem.field)
         corpus.append(rec)
     extra = [r for r in corpus if str(r["_id"]) not in needed]
     room = len(extra) if max_docs is None else max(0, max_docs - len(needed))

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DataError
-from .formats import Doc, Problem, _read_contrastors
-from .images import ImageDoc, check_image
+from .formats import Doc, Problem, Record, _read_contrastors, _source_folder
+from .images import IMAGE_SUFFIXES, ImageDoc, check_image
 
-__all__ = ["TrainRecord", "load_jsonl_records", "load_records"]
+__all__ = ["TrainRecord", "load_jsonl_records", "load_records", "resolve_doc", "resolve_record"]
 
 MAX_REPORTED = 20
 
@@ -52,30 +52,67 @@ def text_id(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
 
 
-def _resolve(doc: Doc, base: Path, path: Path, line: int,
-             problems: list[Problem]) -> str | ImageDoc | None:
-    """A parsed document as training input: its text, the text of its file, or an
-    :class:`ImageDoc` for a readable image; None (and a problem) otherwise."""
+_IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"BM", b"II*\x00", b"MM\x00*")
+
+
+def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: list[Problem],
+                field: str | None = None) -> str | ImageDoc | None:
+    """A parsed document as training input: its text, the text of its file (UTF-8), or an
+    :class:`ImageDoc` for a readable image (relative paths resolve against ``base``).
+    Otherwise None, and a problem naming ``path:line`` and the document's field (its source
+    key, else ``field``) is added to ``problems``. ``bigbatch validate`` and the training
+    loader both check documents with this function."""
+    field = doc.key or field
     if doc.text is not None:
         return doc.text
-    ref = Path(doc.image or doc.path or "")
-    full = ref if ref.is_absolute() else base / ref
+    ref = doc.image or doc.path or ""
+    full = Path(ref) if Path(ref).is_absolute() else base / ref
     if doc.image is not None:
         why = check_image(full)
         if why is not None:
-            problems.append(Problem(str(path), line, doc.key, why))
+            problems.append(Problem(str(path), line, field, why))
             return None
         return ImageDoc(str(full.resolve()))
+    at = "" if Path(ref).is_absolute() else f" (at {str(full)!r})"
     try:
-        text = full.read_text(encoding="utf-8")
+        data = full.read_bytes()
     except OSError as e:
-        problems.append(Problem(str(path), line, doc.key,
-                                f"cannot read {str(full)!r}: {e.strerror or e}"))
+        problems.append(Problem(str(path), line, field,
+                                f"cannot read {ref!r}{at}: {e.strerror or e}"))
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        hint = ("; it looks like an image: image paths must end in one of "
+                f"{' '.join(sorted(IMAGE_SUFFIXES))}" if data.startswith(_IMAGE_MAGIC)
+                else "; re-encode it as UTF-8")
+        problems.append(Problem(str(path), line, field, f"{ref!r}{at} is not UTF-8 text "
+                                f"({e.reason} at byte {e.start}){hint}"))
         return None
     if not text.strip():
-        problems.append(Problem(str(path), line, doc.key, f"{str(full)!r} is empty"))
+        problems.append(Problem(str(path), line, field, f"{ref!r}{at} is empty"))
         return None
     return text
+
+
+def resolve_record(r: Record, problems: list[Problem]
+                   ) -> tuple[str | ImageDoc | None, list[str | ImageDoc]]:
+    """(positive, negatives) of a parsed record as training input. A document that cannot be
+    used (the positive as None, a negative left out) is reported in ``problems``, as is a
+    negative that is the positive itself (compared as training compares them: resolved
+    image paths, file contents and texts). The record is usable when the positive is not
+    None and no negative was left out."""
+    base = _source_folder(r) or Path(".")
+    positive = resolve_doc(r.positive, base, r.source, r.line, problems, "positive")
+    negatives: list[str | ImageDoc] = []
+    for i, d in enumerate(r.negatives):
+        field = d.key or f"negatives[{i}]"
+        neg = resolve_doc(d, base, r.source, r.line, problems, field)
+        if neg is not None and neg == positive:
+            problems.append(Problem(r.source, r.line, field, "a negative equals the positive"))
+        elif neg is not None:
+            negatives.append(neg)
+    return positive, negatives
 
 
 def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
@@ -92,14 +129,8 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
     parsed = _read_contrastors(path, problems)
     records: list[TrainRecord] = []
     for r in parsed:
-        positive = _resolve(r.positive, path.parent, path, r.line, problems)
-        negatives = [d for d in (_resolve(n, path.parent, path, r.line, problems)
-                                 for n in r.negatives) if d is not None]
-        if positive is None:
-            continue
-        if positive in negatives:
-            problems.append(Problem(str(path), r.line, "negatives",
-                                    "a negative equals the positive"))
+        positive, negatives = resolve_record(r, problems)
+        if positive is None or len(negatives) < len(r.negatives):
             continue
         positive_id = r.positive.id or ""  # else its content key (TrainRecord decides)
         records.append(TrainRecord(query=r.query, positive=positive, negatives=negatives,
