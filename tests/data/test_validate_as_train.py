@@ -121,3 +121,42 @@ def test_clean_for_validate_means_it_loads(folder):
                                       "neg_chunk_paths": ["./a.png"]}) + "\n")
     assert validate_file(f) == (2, [])
     assert len(load_records(f, num_hard_negatives=1)) == 2
+
+
+def _loaded(path: Path) -> list[tuple]:
+    return [(r.query, r.positive, r.negatives) for r in load_records(path, num_hard_negatives=1)]
+
+
+@pytest.mark.parametrize("name,fmt", [("t.parquet", "st"), ("t_st.jsonl", "st"),
+                                      ("t_swift.jsonl", "swift")])
+def test_training_reads_every_file_format_validate_accepts(tmp_path, name, fmt):
+    from bigbatch.data.formats import Doc, Record, write_records
+
+    recs = [Record(f"q{i}", Doc(text=f"p{i}"), [Doc(text=f"n{i}")], None, i + 1, "")
+            for i in range(3)]
+    write_records(recs, tmp_path / "seed.jsonl", "contrastors")
+    write_records(recs, tmp_path / name, fmt)
+    assert validate_file(tmp_path / name) == (3, [])
+    assert _loaded(tmp_path / name) == _loaded(tmp_path / "seed.jsonl")
+
+
+def test_training_reads_swift_page_images_relative_to_the_file(folder):
+    f = folder / "pages.jsonl"
+    conv = [{"role": "system", "content": "Represent the user's input."},
+            {"role": "user", "content": "<image>"}]
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}],
+                             "positive_messages": [conv], "positive_images": [["a.png"]],
+                             "negative_messages": [conv], "negative_images": [["./b.png"]]}) + "\n")
+    assert validate_file(f) == (1, [])
+    (rec,) = load_records(f, num_hard_negatives=1)
+    assert rec.positive.path == str((folder / "a.png").resolve())
+    assert rec.negatives[0].path == str((folder / "b.png").resolve())
+
+
+def test_a_broken_parquet_file_is_a_data_error(tmp_path):
+    f = tmp_path / "t.parquet"
+    f.write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(DataError, match="t.parquet: cannot read as Parquet"):
+        load_records(f)
+    with pytest.raises(DataError, match="t.parquet: cannot read as Parquet"):
+        validate_file(f)

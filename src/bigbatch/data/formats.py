@@ -245,10 +245,17 @@ def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
 
 def _st_rows(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for n, row in enumerate(pq.read_table(path).to_pylist(), 1):
-            yield n, row
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:  # pragma: no cover
+            raise DataError("reading Parquet needs pyarrow: pip install 'bigbatch[data]'",
+                            path=str(path)) from None
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"cannot read as Parquet: {e}", path=str(path)) from e
+        yield from enumerate(rows, 1)
     else:
         yield from _jsonl(path, problems)
 

@@ -1,7 +1,8 @@
 """Training records and their validation.
 
-A record is one query, one positive document and zero or more negatives. JSONL files may
-use the seed pipeline's keys (``query``; the positive as ``positive`` text or ``chunk_path``,
+A record is one query, one positive document and zero or more negatives. Files may be in any
+file format of :mod:`bigbatch.data.formats` (detected); JSONL files usually use
+the seed pipeline's keys (``query``; the positive as ``positive`` text or ``chunk_path``,
 a path to a text file or a page image; negatives as ``negatives`` texts or
 ``neg_chunk_paths``). Relative paths resolve against the JSONL file's folder. Image paths
 become :class:`~bigbatch.data.images.ImageDoc` documents, opened only when their chunk is
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DataError
-from .formats import Doc, Problem, Record, _read_contrastors, _source_folder
+from .formats import Doc, Problem, Record, _source_folder, detect_format, read_records
 from .images import IMAGE_SUFFIXES, ImageDoc, check_image
 
 __all__ = ["TrainRecord", "load_jsonl_records", "load_records", "resolve_doc", "resolve_record"]
@@ -115,9 +116,20 @@ def resolve_record(r: Record, problems: list[Problem]
     return positive, negatives
 
 
+def _file_format(path: Path) -> str:
+    """The format of a training file (:func:`~bigbatch.data.formats.detect_format`); the seed's
+    ``contrastors`` keys when the first line cannot tell (its problems are reported then)."""
+    try:
+        return detect_format(path)
+    except DataError:
+        return "contrastors"
+
+
 def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
-    """Load and validate a JSONL file of training records (parsed by the ``contrastors``
-    reader of :mod:`bigbatch.data.formats`, then each document file read or checked).
+    """Load and validate a file of training records in any file format of
+    :mod:`bigbatch.data.formats` (the seed's ``contrastors`` JSONL, ms-swift's ``swift``
+    JSONL, sentence-transformers ``st`` JSONL or Parquet; detected from the file), then read
+    or check each document file.
 
     Raises:
         DataError: listing every problem (up to 20 shown, with the total) by file, line, field.
@@ -125,8 +137,7 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
     path = Path(path)
     if not path.exists():
         raise DataError("training data file not found", path=str(path))
-    problems: list[Problem] = []
-    parsed = _read_contrastors(path, problems)
+    parsed, problems = read_records(path, _file_format(path))
     records: list[TrainRecord] = []
     for r in parsed:
         positive, negatives = resolve_record(r, problems)
@@ -135,7 +146,7 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
         positive_id = r.positive.id or ""  # else its content key (TrainRecord decides)
         records.append(TrainRecord(query=r.query, positive=positive, negatives=negatives,
                                    positive_id=positive_id, source=str(path), line=r.line,
-                                   query_id=r.query_id or ""))
+                                   query_id="" if r.query_id is None else str(r.query_id)))
     problems.sort(key=lambda p: p.line or 0)  # file order (stable within a line)
     if problems:
         shown = "\n  ".join(str(p) for p in problems[:MAX_REPORTED])
