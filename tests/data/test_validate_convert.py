@@ -202,3 +202,13 @@ def test_convert_rebases_text_file_paths_and_keeps_absolute_ones(tmp_path):
     assert (out.parent / rec["chunk_path"]).resolve() == tmp_path / "data" / "docs" / "p.txt"
     assert validate_file(out) == (1, [])
     assert load_records(out)[0].positive == "the positive passage"
+
+
+@pytest.mark.parametrize("name", ["out.parquet", "out.jsonl", "beir_out"])
+def test_convert_creates_the_output_folder(tmp_path, name):
+    fmt = "beir" if name == "beir_out" else "st"
+    recs = [Record(r.query, r.positive, [] if fmt == "beir" else r.negatives, None, r.line, "")
+            for r in text_records()]
+    out = tmp_path / "new" / "folder" / name
+    assert write_records(recs, out, fmt)["written"] == 4
+    assert content(read_records(out, fmt)[0]) == content(recs)

@@ -405,6 +405,7 @@ def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_los
                                  "positive": [r.positive.text for r in keep]}
         for i in range(k):
             cols[f"negative_{i + 1}"] = [r.negatives[i].text for r in keep]
+        out.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.table(cols), out)
         return report
     out.parent.mkdir(parents=True, exist_ok=True)
