@@ -160,3 +160,23 @@ def test_a_broken_parquet_file_is_a_data_error(tmp_path):
         load_records(f)
     with pytest.raises(DataError, match="t.parquet: cannot read as Parquet"):
         validate_file(f)
+
+
+def test_problems_name_the_formats_own_fields(folder):
+    """A swift image is named by its *_images entry, an st negative by its column."""
+    conv = [{"role": "user", "content": "<image>"}]
+    swift = folder / "s.jsonl"
+    swift.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}],
+                                 "positive_messages": [conv], "positive_images": [["gone.png"]],
+                                 "negative_messages": [conv, conv],
+                                 "negative_images": [["a.png"], ["bad.png"]]}) + "\n")
+    st = folder / "t_st.jsonl"
+    st.write_text(json.dumps({"anchor": "q", "positive": "p", "negative_1": "n",
+                              "negative_2": "p"}) + "\n")
+    for f, fields in ((swift, ["positive_images[0][0]", "negative_images[1][0]"]),
+                      (st, ["negative_2"])):
+        _, problems = validate_file(f)
+        assert [p.field for p in problems] == fields
+        with pytest.raises(DataError) as e:
+            load_records(f)
+        assert all(f"field {x!r}" in str(e.value) for x in fields)

@@ -48,7 +48,8 @@ class Doc:
     image: str | None = None
     path: str | None = None  # a text file (contrastors chunk_path that is not an image)
     id: str | None = None
-    key: str | None = field(default=None, compare=False)  # the source field, for messages
+    # the source field ('chunk_path', 'negative_images[1][0]', 'negative_2'), for messages
+    key: str | None = field(default=None, compare=False)
 
     @property
     def kind(self) -> str:
@@ -191,16 +192,17 @@ def _swift_doc(conv: Any, images: Any, key: str, where: tuple[str, int],
         problems.append(Problem(where[0], where[1], key, "needs exactly one user message"))
         return None
     content = user[0]["content"]
+    images_key = key.replace("messages", "images")
     if content.strip() == "<image>":
         if not (isinstance(images, list) and len(images) == 1 and isinstance(images[0], str)):
-            problems.append(Problem(where[0], where[1], key.replace("messages", "images"),
+            problems.append(Problem(where[0], where[1], images_key,
                                     "an <image> document needs exactly one image path"))
             return None
-        return Doc(image=images[0])
+        return Doc(image=images[0], key=f"{images_key}[0]")
     if not content.strip():
         problems.append(Problem(where[0], where[1], key, "empty document text"))
         return None
-    return Doc(text=content)
+    return Doc(text=content, key=key)
 
 
 def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
@@ -272,10 +274,10 @@ def _read_st(path: Path, problems: list[Problem]) -> list[Record]:
             key = f"negative_{i}" if f"negative_{i}" in rec else "negative"
             t = _text(rec, key, w, problems)
             if t is not None:
-                negs.append(Doc(text=t))
+                negs.append(Doc(text=t, key=key))
             i += 1
         if q is not None and p is not None:
-            out.append(Record(q, Doc(text=p), negs, None, n, str(path)))
+            out.append(Record(q, Doc(text=p, key="positive"), negs, None, n, str(path)))
     return out
 
 
