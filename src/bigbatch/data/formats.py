@@ -11,7 +11,9 @@ Formats (``--from`` / ``--to`` names):
 - ``st``: sentence-transformers columns ``anchor``, ``positive``, ``negative_1..k``, as
   JSONL (``.jsonl``) or Parquet (``.parquet``). Text only.
 - ``beir``: a BEIR directory (``corpus.jsonl``, ``queries.jsonl``, ``qrels/<split>.tsv``).
-  Text documents and (query, positive) pairs only.
+  Text documents and (query, positive) pairs only. A document's title is read joined to its
+  text ("title text", what training and evaluation embed), since no other format has a title
+  field; a BEIR directory written here has empty titles and the joined text.
 
 What a target format cannot hold (an image in ``st``, negatives in ``beir``) is never
 dropped silently: conversion stops with a report, or drops it and reports it when asked.
