@@ -7,7 +7,11 @@ Formats (``--from`` / ``--to`` names):
   ``{"query", "positive", "negatives"}``.
 - ``swift``: ms-swift's embedding JSONL: ``messages`` (system instruction + user query),
   ``positive_messages`` / ``negative_messages`` (one conversation per document, the user
-  turn holding the text or ``<image>``) with ``positive_images`` / ``negative_images``.
+  turn holding the text, or ``<image>`` and the text that goes with the image) with
+  ``positive_images`` / ``negative_images``, and the ids as ``query_id`` / ``positive_id`` /
+  ``negative_ids``. A query image, several images in a document, text before ``<image>``
+  and images without an ``<image>`` tag cannot be held (reported, as below). System
+  instructions are not read: they are written from the instruction options.
 - ``st``: sentence-transformers columns ``anchor``, ``positive``, ``negative_1..k``, as
   JSONL (``.jsonl``) or Parquet (``.parquet``). Text only.
 - ``beir``: a BEIR directory (``corpus.jsonl``, ``queries.jsonl``, ``qrels/<split>.tsv``).
@@ -71,6 +75,9 @@ class Record:
     query_id: str | None = None
     line: int = 0
     source: str = ""
+    # (field, what) the reader found but a Record cannot hold (a query image, ...): writing
+    # the record is lossy, and validate and training report it
+    lost: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -174,18 +181,31 @@ def _read_contrastors(path: Path, problems: list[Problem]) -> list[Record]:
                     negs.append(d)
         if q is not None and pos is not None:
             qid = rec.get("query_id")
-            pid = rec.get("positive_id")
-            nids = rec.get("negative_ids") or [None] * len(negs)
-            if pid is not None:
-                pos = Doc(pos.text, pos.image, pos.path, str(pid), pos.key)
-            negs = [Doc(d.text, d.image, d.path, None if i is None else str(i), d.key)
-                    for d, i in zip(negs, nids)] if len(nids) == len(negs) else negs
+            pos, negs = _with_ids(rec, pos, negs)
             out.append(Record(q, pos, negs, None if qid is None else str(qid), n, str(path)))
     return out
 
 
+def _with_ids(rec: dict, pos: Doc, negs: list[Doc]) -> tuple[Doc, list[Doc]]:
+    """The documents with the corpus ids a record gives (``positive_id``, ``negative_ids``)."""
+    pid = rec.get("positive_id")
+    nids = rec.get("negative_ids")
+    if pid is not None:
+        pos = replace(pos, id=str(pid))
+    if isinstance(nids, list) and len(nids) == len(negs):
+        negs = [replace(d, id=None if i is None else str(i)) for d, i in zip(negs, nids)]
+    return pos, negs
+
+
+_IMAGE_TAG = "<image>"
+
+
 def _swift_doc(conv: Any, images: Any, key: str, where: tuple[str, int],
-               problems: list[Problem]) -> Doc | None:
+               problems: list[Problem], lost: list[tuple[str, str]]) -> Doc | None:
+    """One swift document conversation: text, or an image (``<image>`` leading the user turn,
+    one path in ``images``) with the text that follows it. What a :class:`Doc` cannot hold
+    (several images, text before the image, images without an ``<image>`` tag) is added to
+    ``lost`` as (field, what); a malformed document is a problem (and None)."""
     if not isinstance(conv, list):
         problems.append(Problem(where[0], where[1], key, "must be a list of messages"))
         return None
@@ -195,22 +215,36 @@ def _swift_doc(conv: Any, images: Any, key: str, where: tuple[str, int],
         return None
     content = user[0]["content"]
     images_key = key.replace("messages", "images")
-    if content.strip() == "<image>":
-        if not (isinstance(images, list) and len(images) == 1 and isinstance(images[0], str)):
-            problems.append(Problem(where[0], where[1], images_key,
-                                    "an <image> document needs exactly one image path"))
-            return None
-        return Doc(image=images[0], key=f"{images_key}[0]")
-    if not content.strip():
-        problems.append(Problem(where[0], where[1], key, "empty document text"))
+    tags = content.count(_IMAGE_TAG)
+    paths = [] if images is None else images if isinstance(images, list) else None
+    if paths is None or not all(isinstance(p, str) and p for p in paths):
+        problems.append(Problem(where[0], where[1], images_key, "must be a list of image paths"))
         return None
-    return Doc(text=content, key=key)
+    if tags != len(paths) and tags:
+        problems.append(Problem(where[0], where[1], images_key,
+                                f"{len(paths)} image path(s) for {tags} <image> tag(s) in "
+                                f"{key}; an <image> document needs exactly one image path"))
+        return None
+    if not tags:
+        if paths:
+            lost.append((images_key, f"{len(paths)} image(s) without an <image> tag in {key}"))
+        if not content.strip():
+            problems.append(Problem(where[0], where[1], key, "empty document text"))
+            return None
+        return Doc(text=content, key=key)
+    if tags > 1:
+        lost.append((images_key, f"{tags} images in one document (a document holds one)"))
+    elif not content.lstrip().startswith(_IMAGE_TAG):
+        lost.append((key, "text before <image> (an image document's text follows its image)"))
+    text = content.replace(_IMAGE_TAG, " ").strip()
+    return Doc(image=paths[0], text=text or None, key=f"{images_key}[0]")
 
 
 def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
     out = []
     for n, rec in _jsonl(path, problems):
         w = (str(path), n)
+        lost: list[tuple[str, str]] = []
         msgs = rec.get("messages")
         query = None
         if not isinstance(msgs, list):
@@ -223,6 +257,9 @@ def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
                                         "message (the query)"))
             else:
                 query = user[0]["content"]
+                if _IMAGE_TAG in query or rec.get("images"):
+                    lost.append(("images" if rec.get("images") else "messages",
+                                 "an image in the query (queries are text)"))
         pos_convs = rec.get("positive_messages")
         pos = None
         if not isinstance(pos_convs, list) or len(pos_convs) != 1:
@@ -230,7 +267,7 @@ def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
                                     "conversation"))
         else:
             imgs = (rec.get("positive_images") or [[]])[0]
-            pos = _swift_doc(pos_convs[0], imgs, "positive_messages[0]", w, problems)
+            pos = _swift_doc(pos_convs[0], imgs, "positive_messages[0]", w, problems, lost)
         negs = []
         neg_convs = rec.get("negative_messages") or []
         neg_imgs = rec.get("negative_images") or [[] for _ in neg_convs]
@@ -239,11 +276,14 @@ def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
                                     "conversation"))
         else:
             for i, (c, im) in enumerate(zip(neg_convs, neg_imgs)):
-                d = _swift_doc(c, im, f"negative_messages[{i}]", w, problems)
+                d = _swift_doc(c, im, f"negative_messages[{i}]", w, problems, lost)
                 if d is not None:
                     negs.append(d)
         if query is not None and pos is not None:
-            out.append(Record(query, pos, negs, rec.get("query_id"), n, str(path)))
+            pos, negs = _with_ids(rec, pos, negs)
+            qid = rec.get("query_id")
+            out.append(Record(query, pos, negs, None if qid is None else str(qid), n, str(path),
+                              lost))
     return out
 
 
@@ -326,11 +366,15 @@ def _lossy(records: list[Record], fmt: str) -> list[tuple[Record, str]]:
     out = []
     for r in records:
         docs = [r.positive, *r.negatives]
-        if fmt in ("st", "beir") and any(d.kind != "text" for d in docs):
+        if r.lost:
+            out.append((r, "; ".join(f"{f}: {why} cannot be represented" for f, why in r.lost)))
+        elif fmt in ("st", "beir") and any(d.kind != "text" for d in docs):
             out.append((r, f"{fmt} holds text documents only (this record has "
                            f"{', '.join(sorted({d.kind for d in docs if d.kind != 'text'}))})"))
         elif fmt == "beir" and r.negatives:
             out.append((r, f"beir holds no negatives ({len(r.negatives)} here)"))
+        elif fmt == "contrastors" and any(d.image and d.text for d in docs):
+            out.append((r, "contrastors holds no text beside an image"))
         elif fmt == "contrastors" and len({d.kind == 'text' for d in docs}) > 1:
             out.append((r, "contrastors keeps a record's documents all as files or all as text"))
         elif fmt == "swift" and any(d.kind == "file" for d in docs):
@@ -343,7 +387,7 @@ def _doc_json_contrastors(d: Doc) -> str:
 
 
 def _swift_conv(d: Doc, instruction: str) -> tuple[list[dict], list[str]]:
-    content = "<image>" if d.image else d.text
+    content = _IMAGE_TAG + (d.text or "") if d.image else d.text
     return ([{"role": "system", "content": instruction}, {"role": "user", "content": content}],
             [d.image] if d.image else [])
 
@@ -430,12 +474,7 @@ def _to_json(r: Record, fmt: str, qi: str, di: str) -> dict[str, Any]:
         else:
             rec["positive"] = r.positive.text
             rec["negatives"] = [d.text for d in r.negatives]
-        if r.query_id is not None:
-            rec["query_id"] = r.query_id
-        if r.positive.id is not None:
-            rec["positive_id"] = r.positive.id
-        if r.negatives and all(d.id is not None for d in r.negatives):
-            rec["negative_ids"] = [d.id for d in r.negatives]
+        _add_ids(rec, r)
         return rec
     if fmt == "swift":
         pm, pi = _swift_conv(r.positive, di)
@@ -445,12 +484,23 @@ def _to_json(r: Record, fmt: str, qi: str, di: str) -> dict[str, Any]:
         if r.positive.image or any(d.image for d in r.negatives):
             rec["positive_images"] = [pi]
             rec["negative_images"] = [i for _, i in negs]
+        _add_ids(rec, r)
         return rec
     if fmt == "st":
         rec = {"anchor": r.query, "positive": r.positive.text}
         rec.update({f"negative_{i + 1}": d.text for i, d in enumerate(r.negatives)})
         return rec
     raise DataError(f"unknown format {fmt!r}; choose one of {FORMATS}")
+
+
+def _add_ids(rec: dict[str, Any], r: Record) -> None:
+    """The record's ids as ``query_id``, ``positive_id``, ``negative_ids`` (when known)."""
+    if r.query_id is not None:
+        rec["query_id"] = r.query_id
+    if r.positive.id is not None:
+        rec["positive_id"] = r.positive.id
+    if r.negatives and all(d.id is not None for d in r.negatives):
+        rec["negative_ids"] = [d.id for d in r.negatives]
 
 
 def _write_beir(records: list[Record], out: Path, split: str) -> None:

@@ -64,7 +64,7 @@ def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: lis
     key, else ``field``) is added to ``problems``. ``bigbatch validate`` and the training
     loader both check documents with this function."""
     field = doc.key or field
-    if doc.text is not None:
+    if doc.image is None and doc.text is not None:
         return doc.text
     ref = doc.image or doc.path or ""
     full = Path(ref) if Path(ref).is_absolute() else base / ref
@@ -73,7 +73,7 @@ def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: lis
         if why is not None:
             problems.append(Problem(str(path), line, field, why))
             return None
-        return ImageDoc(str(full.resolve()))
+        return ImageDoc(str(full.resolve()), doc.text or "")
     at = "" if Path(ref).is_absolute() else f" (at {str(full)!r})"
     try:
         data = full.read_bytes()
@@ -101,8 +101,11 @@ def resolve_record(r: Record, problems: list[Problem]
     """(positive, negatives) of a parsed record as training input. A document that cannot be
     used (the positive as None, a negative left out) is reported in ``problems``, as is a
     negative that is the positive itself (compared as training compares them: resolved
-    image paths, file contents and texts). The record is usable when the positive is not
-    None and no negative was left out."""
+    image paths, file contents and texts), and whatever the reader found in the record that
+    it cannot hold (``r.lost``). The record is usable when nothing was reported."""
+    for field, why in r.lost:
+        problems.append(Problem(r.source, r.line, field, f"{why} cannot be represented; "
+                                f"`bigbatch convert --allow-lossy` drops such records"))
     base = _source_folder(r) or Path(".")
     positive = resolve_doc(r.positive, base, r.source, r.line, problems, "positive")
     negatives: list[str | ImageDoc] = []
@@ -141,7 +144,7 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
     records: list[TrainRecord] = []
     for r in parsed:
         positive, negatives = resolve_record(r, problems)
-        if positive is None or len(negatives) < len(r.negatives):
+        if positive is None or len(negatives) < len(r.negatives) or r.lost:
             continue
         positive_id = r.positive.id or ""  # else its content key (TrainRecord decides)
         records.append(TrainRecord(query=r.query, positive=positive, negatives=negatives,
