@@ -19,8 +19,8 @@ __all__ = ["main", "build_parser"]
 
 _HELP = {
     "model": "transformers model path or name (e.g. the all-MiniLM-L6-v2 folder)",
-    "train_data": "JSONL records (query, positive|chunk_path, negatives|neg_chunk_paths) or a "
-                  "BEIR directory",
+    "train_data": "JSONL records (query, positive|chunk_path, negatives|neg_chunk_paths), a "
+                  "swift or st (JSONL or .parquet) file (detected), or a BEIR directory",
     "train_split": "qrels split used as training pairs when --train-data is a BEIR directory",
     "eval_data": "BEIR directory evaluated with full-corpus retrieval",
     "eval_split": "qrels split to evaluate on",

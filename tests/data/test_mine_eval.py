@@ -182,3 +182,38 @@ def test_eval_reproduces_published_scifact_ndcg(tmp_path, capsys):
     m = json.loads(out.read_text())[0]["metrics"]
     assert m["ndcg@10"] == pytest.approx(0.6451, abs=0.002)
     assert m["unseen/queries"] == 104
+
+
+def test_a_copy_of_the_positive_under_another_id_is_never_a_negative(tmp_path):
+    """A corpus holding the positive's text twice (common in real corpora): the copy is a
+    positive, not a negative, so the mined file trains (training refuses a negative equal to
+    its positive)."""
+    from bigbatch.data.records import load_records
+
+    scores = {"dup text": 0.8, "other1": 0.5, "other2": 0.4}
+    docs = {"d1": "dup text", "d2": "dup text", "d3": "other1", "d4": "other2"}
+    root = beir_dir(tmp_path / "beir", docs, {"q": "the query"}, [("q", "d1", 1)])
+    out = tmp_path / "hn.jsonl"
+    report = mine_hard_negatives(StubEncoder(scores), root, "train", out,
+                                 MiningOptions(num_negatives=2, rank_start=0, rank_end=3,
+                                               max_score_ratio=None), progress=False)
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["negative_ids"] == ["d3", "d4"]
+    assert report.dropped_as_copy_of_positive == 1 and report.dropped_as_positive == 1
+    assert "dropped as copies of a positive (same content, another id): 1" in report.lines()
+    assert len(load_records(out, num_hard_negatives=2)) == 1
+
+
+def test_ratio_rule_keeps_the_threshold_below_a_negative_positive_score(tmp_path):
+    """With the positive at -0.20 and ratio 0.95, 0.95 * -0.20 = -0.19 lies ABOVE the positive;
+    the threshold is -0.20 - 0.05 * 0.20 = -0.21: nothing scoring above it is a negative."""
+    scores = {"pos": -0.20, "c1": -0.15, "c2": -0.16, "c3": -0.17, "c4": -0.195,
+              "c5": -0.25, "c6": -0.30, "c7": -0.35}
+    root = beir_dir(tmp_path / "beir", {k: k for k in scores}, {"q": "the query"},
+                    [("q", "pos", 1)])
+    out = tmp_path / "hn.jsonl"
+    report = mine_hard_negatives(StubEncoder(scores), root, "train", out,
+                                 MiningOptions(num_negatives=3, rank_start=0, rank_end=7,
+                                               max_score_ratio=0.95), progress=False)
+    assert json.loads(out.read_text())["negative_ids"] == ["c5", "c6", "c7"]
+    assert report.dropped_as_false_negative == 4

@@ -48,11 +48,11 @@ def test_each_validator_finding_with_its_line(tmp_path):
     n, problems = validate_file(f)
     found = {(p.line, p.field, p.message.split(" (")[0].split(":")[0]) for p in problems}
     text = "\n".join(str(p) for p in problems)
-    assert f"{f}:1, field 'negatives[0]': cannot read 'ok2.png'" in text
+    assert f"{f}:1, field 'neg_chunk_paths[0]': image file not found" in text
     assert f"{f}:2: malformed JSON" in text
     assert f"{f}:3, field 'query': missing" in text
     assert f"{f}:4, field 'query': must be non-empty text" in text
-    assert f"{f}:5, field 'positive': 'broken.png' is not a readable image" in text
+    assert f"{f}:5, field 'chunk_path': cannot read image" in text
     assert f"{f}:6, field 'negatives[0]': a negative equals the positive" in text
     assert f"{f}:7, field 'query': duplicate query with the same positive (first on line 6)" in text
     assert f"{f}:8, field 'negatives': 2 negatives where the file usually has 1" in text
@@ -81,9 +81,9 @@ def text_records():
             for i in range(4)]
 
 
-def image_records():
+def image_records():  # no source: paths are taken as relative to where they are written
     return [Record(f"query {i}", Doc(image=f"pages/p{i}.png"),
-                   [Doc(image=f"pages/n{i}{j}.png") for j in range(2)], None, i + 1, "x")
+                   [Doc(image=f"pages/n{i}{j}.png") for j in range(2)], None, i + 1, "")
             for i in range(3)]
 
 
@@ -157,3 +157,58 @@ def test_st_parquet_and_cli_convert(tmp_path, capsys):
     swift = tmp_path / "s.jsonl"
     assert main(["convert", "--from", "st", "--to", "swift", str(pq), str(swift)]) == 0
     assert content(read_records(swift)[0]) == content(text_records())
+
+
+def _files(records, base: Path) -> list[list[Path]]:
+    """Each record's document files, resolved as the readers resolve them."""
+    return [[(base / (d.image or d.path)).resolve() for d in (r.positive, *r.negatives)]
+            for r in records]
+
+
+@pytest.mark.parametrize("src,dst", list(itertools.product(["contrastors", "swift"], repeat=2)))
+def test_convert_into_another_folder_rebases_relative_paths(tmp_path, src, dst):
+    """Paths are relative to the file that holds them: converting data/train.jsonl into out/
+    must write paths that still name data/pages/*, so the output validates and trains."""
+    from bigbatch.data.records import load_records
+
+    (tmp_path / "data" / "pages").mkdir(parents=True)
+    for r in image_records():
+        for d in (r.positive, *r.negatives):
+            png(tmp_path / "data" / d.image)
+    source = tmp_path / "data" / "train.jsonl"
+    write_records(image_records(), source, src)
+    assert validate_file(source) == (3, [])
+    out = tmp_path / "out" / "converted.jsonl"
+    assert main(["convert", "--from", src, "--to", dst, str(source), str(out)]) == 0
+    assert validate_file(out) == (3, [])
+    back, _ = read_records(out)
+    assert _files(back, out.parent) == _files(image_records(), tmp_path / "data")
+    if dst == "contrastors":
+        assert len(load_records(out, num_hard_negatives=2)) == 3
+
+
+def test_convert_rebases_text_file_paths_and_keeps_absolute_ones(tmp_path):
+    from bigbatch.data.records import load_records
+
+    (tmp_path / "data" / "docs").mkdir(parents=True)
+    (tmp_path / "data" / "docs" / "p.txt").write_text("the positive passage")
+    (tmp_path / "n.txt").write_text("a negative passage")
+    source = jsonl(tmp_path / "data" / "train.jsonl", [
+        {"query": "q", "chunk_path": "docs/p.txt", "neg_chunk_paths": [str(tmp_path / "n.txt")]}])
+    out = tmp_path / "out" / "deeper" / "train.jsonl"
+    assert main(["convert", "--to", "contrastors", str(source), str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["neg_chunk_paths"] == [str(tmp_path / "n.txt")]
+    assert (out.parent / rec["chunk_path"]).resolve() == tmp_path / "data" / "docs" / "p.txt"
+    assert validate_file(out) == (1, [])
+    assert load_records(out)[0].positive == "the positive passage"
+
+
+@pytest.mark.parametrize("name", ["out.parquet", "out.jsonl", "beir_out"])
+def test_convert_creates_the_output_folder(tmp_path, name):
+    fmt = "beir" if name == "beir_out" else "st"
+    recs = [Record(r.query, r.positive, [] if fmt == "beir" else r.negatives, None, r.line, "")
+            for r in text_records()]
+    out = tmp_path / "new" / "folder" / name
+    assert write_records(recs, out, fmt)["written"] == 4
+    assert content(read_records(out, fmt)[0]) == content(recs)

@@ -68,7 +68,7 @@ def test_every_problem_reported_with_file_line_field(tmp_path):
     for expected in (f"{f}:2: malformed JSON", f"{f}:3, field 'query': must be non-empty text",
                      f"{f}:4, field 'positive': missing positive",
                      f"{f}:5, field 'chunk_path': cannot read",
-                     f"{f}:6, field 'negatives': a negative equals the positive",
+                     f"{f}:6, field 'negatives[0]': a negative equals the positive",
                      f"{f}:7, field 'chunk_path': image file not found"):
         assert expected in msg, expected
 

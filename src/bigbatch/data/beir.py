@@ -47,7 +47,7 @@ def _read_jsonl(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict]]
     out = []
     for n, rec, problem in iter_jsonl(path):
         if problem is not None:
-            raise DataError(problem, path=str(path), line=n)
+            raise DataError(problem, path=str(path), line=n, field=problem.field)
         for key in required:
             if key not in rec:
                 raise DataError("missing key", path=str(path), line=n, field=key)

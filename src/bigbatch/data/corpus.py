@@ -42,7 +42,7 @@ def iter_corpus(path: str | Path, block: int = 4096) -> Iterator[list[tuple[str,
     buf: list[tuple[str, str]] = []
     for n, rec, problem in iter_jsonl(path):
         if problem is not None:
-            raise DataError(problem, path=str(path), line=n)
+            raise DataError(problem, path=str(path), line=n, field=problem.field)
         if "_id" not in rec or not isinstance(rec.get("text", ""), str):
             raise DataError("a corpus record needs '_id' and 'text'", path=str(path), line=n)
         buf.append((str(rec["_id"]), corpus_doc(rec, path.parent)))

@@ -7,11 +7,17 @@ Formats (``--from`` / ``--to`` names):
   ``{"query", "positive", "negatives"}``.
 - ``swift``: ms-swift's embedding JSONL: ``messages`` (system instruction + user query),
   ``positive_messages`` / ``negative_messages`` (one conversation per document, the user
-  turn holding the text or ``<image>``) with ``positive_images`` / ``negative_images``.
+  turn holding the text, or ``<image>`` and the text that goes with the image) with
+  ``positive_images`` / ``negative_images``, and the ids as ``query_id`` / ``positive_id`` /
+  ``negative_ids``. A query image, several images in a document, text before ``<image>``
+  and images without an ``<image>`` tag cannot be held (reported, as below). System
+  instructions are not read: they are written from the instruction options.
 - ``st``: sentence-transformers columns ``anchor``, ``positive``, ``negative_1..k``, as
   JSONL (``.jsonl``) or Parquet (``.parquet``). Text only.
 - ``beir``: a BEIR directory (``corpus.jsonl``, ``queries.jsonl``, ``qrels/<split>.tsv``).
-  Text documents and (query, positive) pairs only.
+  Text documents and (query, positive) pairs only. A document's title is read joined to its
+  text ("title text", what training and evaluation embed), since no other format has a title
+  field; a BEIR directory written here has empty titles and the joined text.
 
 What a target format cannot hold (an image in ``st``, negatives in ``beir``) is never
 dropped silently: conversion stops with a report, or drops it and reports it when asked.
@@ -21,8 +27,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +54,8 @@ class Doc:
     image: str | None = None
     path: str | None = None  # a text file (contrastors chunk_path that is not an image)
     id: str | None = None
-    key: str | None = field(default=None, compare=False)  # the source field, for messages
+    # the source field ('chunk_path', 'negative_images[1][0]', 'negative_2'), for messages
+    key: str | None = field(default=None, compare=False)
 
     @property
     def kind(self) -> str:
@@ -56,12 +64,20 @@ class Doc:
 
 @dataclass
 class Record:
+    """One (query, positive, negatives) example as read from ``source`` (the file or BEIR
+    directory it came from, line ``line``). Relative image and text-file paths of its
+    documents are relative to ``source``'s folder; with ``source`` empty they are taken as
+    already relative to wherever the record is written."""
+
     query: str
     positive: Doc
     negatives: list[Doc] = field(default_factory=list)
     query_id: str | None = None
     line: int = 0
     source: str = ""
+    # (field, what) the reader found but a Record cannot hold (a query image, ...): writing
+    # the record is lossy, and validate and training report it
+    lost: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -88,7 +104,7 @@ def detect_format(path: str | Path) -> str:
         return "beir"
     if path.suffix == ".parquet":
         return "st"
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # the reader reports bad bytes
         for line in f:
             if line.strip():
                 try:
@@ -110,7 +126,7 @@ def _jsonl(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
 
     for n, rec, problem in iter_jsonl(path):
         if problem is not None:
-            problems.append(Problem(str(path), n, None, problem))
+            problems.append(Problem(str(path), n, problem.field, str(problem)))
         else:
             yield n, rec
 
@@ -165,18 +181,31 @@ def _read_contrastors(path: Path, problems: list[Problem]) -> list[Record]:
                     negs.append(d)
         if q is not None and pos is not None:
             qid = rec.get("query_id")
-            pid = rec.get("positive_id")
-            nids = rec.get("negative_ids") or [None] * len(negs)
-            if pid is not None:
-                pos = Doc(pos.text, pos.image, pos.path, str(pid), pos.key)
-            negs = [Doc(d.text, d.image, d.path, None if i is None else str(i), d.key)
-                    for d, i in zip(negs, nids)] if len(nids) == len(negs) else negs
+            pos, negs = _with_ids(rec, pos, negs)
             out.append(Record(q, pos, negs, None if qid is None else str(qid), n, str(path)))
     return out
 
 
+def _with_ids(rec: dict, pos: Doc, negs: list[Doc]) -> tuple[Doc, list[Doc]]:
+    """The documents with the corpus ids a record gives (``positive_id``, ``negative_ids``)."""
+    pid = rec.get("positive_id")
+    nids = rec.get("negative_ids")
+    if pid is not None:
+        pos = replace(pos, id=str(pid))
+    if isinstance(nids, list) and len(nids) == len(negs):
+        negs = [replace(d, id=None if i is None else str(i)) for d, i in zip(negs, nids)]
+    return pos, negs
+
+
+_IMAGE_TAG = "<image>"
+
+
 def _swift_doc(conv: Any, images: Any, key: str, where: tuple[str, int],
-               problems: list[Problem]) -> Doc | None:
+               problems: list[Problem], lost: list[tuple[str, str]]) -> Doc | None:
+    """One swift document conversation: text, or an image (``<image>`` leading the user turn,
+    one path in ``images``) with the text that follows it. What a :class:`Doc` cannot hold
+    (several images, text before the image, images without an ``<image>`` tag) is added to
+    ``lost`` as (field, what); a malformed document is a problem (and None)."""
     if not isinstance(conv, list):
         problems.append(Problem(where[0], where[1], key, "must be a list of messages"))
         return None
@@ -185,22 +214,37 @@ def _swift_doc(conv: Any, images: Any, key: str, where: tuple[str, int],
         problems.append(Problem(where[0], where[1], key, "needs exactly one user message"))
         return None
     content = user[0]["content"]
-    if content.strip() == "<image>":
-        if not (isinstance(images, list) and len(images) == 1 and isinstance(images[0], str)):
-            problems.append(Problem(where[0], where[1], key.replace("messages", "images"),
-                                    "an <image> document needs exactly one image path"))
-            return None
-        return Doc(image=images[0])
-    if not content.strip():
-        problems.append(Problem(where[0], where[1], key, "empty document text"))
+    images_key = key.replace("messages", "images")
+    tags = content.count(_IMAGE_TAG)
+    paths = [] if images is None else images if isinstance(images, list) else None
+    if paths is None or not all(isinstance(p, str) and p for p in paths):
+        problems.append(Problem(where[0], where[1], images_key, "must be a list of image paths"))
         return None
-    return Doc(text=content)
+    if tags != len(paths) and tags:
+        problems.append(Problem(where[0], where[1], images_key,
+                                f"{len(paths)} image path(s) for {tags} <image> tag(s) in "
+                                f"{key}; an <image> document needs exactly one image path"))
+        return None
+    if not tags:
+        if paths:
+            lost.append((images_key, f"{len(paths)} image(s) without an <image> tag in {key}"))
+        if not content.strip():
+            problems.append(Problem(where[0], where[1], key, "empty document text"))
+            return None
+        return Doc(text=content, key=key)
+    if tags > 1:
+        lost.append((images_key, f"{tags} images in one document (a document holds one)"))
+    elif not content.lstrip().startswith(_IMAGE_TAG):
+        lost.append((key, "text before <image> (an image document's text follows its image)"))
+    text = content.replace(_IMAGE_TAG, " ").strip()
+    return Doc(image=paths[0], text=text or None, key=f"{images_key}[0]")
 
 
 def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
     out = []
     for n, rec in _jsonl(path, problems):
         w = (str(path), n)
+        lost: list[tuple[str, str]] = []
         msgs = rec.get("messages")
         query = None
         if not isinstance(msgs, list):
@@ -213,6 +257,9 @@ def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
                                         "message (the query)"))
             else:
                 query = user[0]["content"]
+                if _IMAGE_TAG in query or rec.get("images"):
+                    lost.append(("images" if rec.get("images") else "messages",
+                                 "an image in the query (queries are text)"))
         pos_convs = rec.get("positive_messages")
         pos = None
         if not isinstance(pos_convs, list) or len(pos_convs) != 1:
@@ -220,7 +267,7 @@ def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
                                     "conversation"))
         else:
             imgs = (rec.get("positive_images") or [[]])[0]
-            pos = _swift_doc(pos_convs[0], imgs, "positive_messages[0]", w, problems)
+            pos = _swift_doc(pos_convs[0], imgs, "positive_messages[0]", w, problems, lost)
         negs = []
         neg_convs = rec.get("negative_messages") or []
         neg_imgs = rec.get("negative_images") or [[] for _ in neg_convs]
@@ -229,20 +276,30 @@ def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
                                     "conversation"))
         else:
             for i, (c, im) in enumerate(zip(neg_convs, neg_imgs)):
-                d = _swift_doc(c, im, f"negative_messages[{i}]", w, problems)
+                d = _swift_doc(c, im, f"negative_messages[{i}]", w, problems, lost)
                 if d is not None:
                     negs.append(d)
         if query is not None and pos is not None:
-            out.append(Record(query, pos, negs, rec.get("query_id"), n, str(path)))
+            pos, negs = _with_ids(rec, pos, negs)
+            qid = rec.get("query_id")
+            out.append(Record(query, pos, negs, None if qid is None else str(qid), n, str(path),
+                              lost))
     return out
 
 
 def _st_rows(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for n, row in enumerate(pq.read_table(path).to_pylist(), 1):
-            yield n, row
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:  # pragma: no cover
+            raise DataError("reading Parquet needs pyarrow: pip install 'bigbatch[data]'",
+                            path=str(path)) from None
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"cannot read as Parquet: {e}", path=str(path)) from e
+        yield from enumerate(rows, 1)
     else:
         yield from _jsonl(path, problems)
 
@@ -259,10 +316,10 @@ def _read_st(path: Path, problems: list[Problem]) -> list[Record]:
             key = f"negative_{i}" if f"negative_{i}" in rec else "negative"
             t = _text(rec, key, w, problems)
             if t is not None:
-                negs.append(Doc(text=t))
+                negs.append(Doc(text=t, key=key))
             i += 1
         if q is not None and p is not None:
-            out.append(Record(q, Doc(text=p), negs, None, n, str(path)))
+            out.append(Record(q, Doc(text=p, key="positive"), negs, None, n, str(path)))
     return out
 
 
@@ -309,11 +366,15 @@ def _lossy(records: list[Record], fmt: str) -> list[tuple[Record, str]]:
     out = []
     for r in records:
         docs = [r.positive, *r.negatives]
-        if fmt in ("st", "beir") and any(d.kind != "text" for d in docs):
+        if r.lost:
+            out.append((r, "; ".join(f"{f}: {why} cannot be represented" for f, why in r.lost)))
+        elif fmt in ("st", "beir") and any(d.kind != "text" for d in docs):
             out.append((r, f"{fmt} holds text documents only (this record has "
                            f"{', '.join(sorted({d.kind for d in docs if d.kind != 'text'}))})"))
         elif fmt == "beir" and r.negatives:
             out.append((r, f"beir holds no negatives ({len(r.negatives)} here)"))
+        elif fmt == "contrastors" and any(d.image and d.text for d in docs):
+            out.append((r, "contrastors holds no text beside an image"))
         elif fmt == "contrastors" and len({d.kind == 'text' for d in docs}) > 1:
             out.append((r, "contrastors keeps a record's documents all as files or all as text"))
         elif fmt == "swift" and any(d.kind == "file" for d in docs):
@@ -326,9 +387,35 @@ def _doc_json_contrastors(d: Doc) -> str:
 
 
 def _swift_conv(d: Doc, instruction: str) -> tuple[list[dict], list[str]]:
-    content = "<image>" if d.image else d.text
+    content = _IMAGE_TAG + (d.text or "") if d.image else d.text
     return ([{"role": "system", "content": instruction}, {"role": "user", "content": content}],
             [d.image] if d.image else [])
+
+
+def _source_folder(r: Record) -> Path | None:
+    """The folder ``r``'s relative paths resolve against (None: written as they are)."""
+    if not r.source:
+        return None
+    src = Path(r.source)
+    return src if src.is_dir() else src.parent
+
+
+def _rebase(r: Record, out_dir: Path) -> Record:
+    """``r`` with each relative image or text-file path resolved against its source's folder
+    and written relative to ``out_dir`` (where readers of the output resolve it); absolute
+    paths are kept as they are."""
+    base = _source_folder(r)
+    if base is None:
+        return r
+
+    def doc(d: Doc) -> Doc:
+        ref = d.image or d.path
+        if ref is None or Path(ref).is_absolute():
+            return d
+        new = os.path.relpath(os.path.abspath(base / ref), os.path.abspath(out_dir))
+        return replace(d, image=new) if d.image else replace(d, path=new)
+
+    return replace(r, positive=doc(r.positive), negatives=[doc(d) for d in r.negatives])
 
 
 def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_lossy: bool = False,
@@ -337,7 +424,8 @@ def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_los
                   split: str = "train") -> dict[str, Any]:
     """Write ``records`` as ``fmt``; returns a report. What ``fmt`` cannot hold raises
     :class:`DataError` listing the records, unless ``allow_lossy`` (then it is dropped and
-    counted in the report)."""
+    counted in the report). Relative image and text-file paths are rebased from each
+    record's source folder to the output's folder, so they name the same files."""
     out = Path(out)
     lossy = _lossy(records, fmt)
     if lossy and not allow_lossy:
@@ -346,7 +434,8 @@ def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_los
                         f"{shown}\nconvert to another format, or pass --allow-lossy to drop "
                         f"them (they are counted in the report)")
     dropped = {id(r) for r, _ in lossy}
-    keep = [r for r in records if id(r) not in dropped]
+    out_dir = out if fmt == "beir" else out.parent
+    keep = [_rebase(r, out_dir) for r in records if id(r) not in dropped]
     report = {"format": fmt, "written": len(keep), "dropped": len(lossy),
               "dropped_reasons": sorted({why for _, why in lossy})}
     if fmt == "beir":
@@ -364,6 +453,7 @@ def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_los
                                  "positive": [r.positive.text for r in keep]}
         for i in range(k):
             cols[f"negative_{i + 1}"] = [r.negatives[i].text for r in keep]
+        out.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.table(cols), out)
         return report
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -384,12 +474,7 @@ def _to_json(r: Record, fmt: str, qi: str, di: str) -> dict[str, Any]:
         else:
             rec["positive"] = r.positive.text
             rec["negatives"] = [d.text for d in r.negatives]
-        if r.query_id is not None:
-            rec["query_id"] = r.query_id
-        if r.positive.id is not None:
-            rec["positive_id"] = r.positive.id
-        if r.negatives and all(d.id is not None for d in r.negatives):
-            rec["negative_ids"] = [d.id for d in r.negatives]
+        _add_ids(rec, r)
         return rec
     if fmt == "swift":
         pm, pi = _swift_conv(r.positive, di)
@@ -399,12 +484,23 @@ def _to_json(r: Record, fmt: str, qi: str, di: str) -> dict[str, Any]:
         if r.positive.image or any(d.image for d in r.negatives):
             rec["positive_images"] = [pi]
             rec["negative_images"] = [i for _, i in negs]
+        _add_ids(rec, r)
         return rec
     if fmt == "st":
         rec = {"anchor": r.query, "positive": r.positive.text}
         rec.update({f"negative_{i + 1}": d.text for i, d in enumerate(r.negatives)})
         return rec
     raise DataError(f"unknown format {fmt!r}; choose one of {FORMATS}")
+
+
+def _add_ids(rec: dict[str, Any], r: Record) -> None:
+    """The record's ids as ``query_id``, ``positive_id``, ``negative_ids`` (when known)."""
+    if r.query_id is not None:
+        rec["query_id"] = r.query_id
+    if r.positive.id is not None:
+        rec["positive_id"] = r.positive.id
+    if r.negatives and all(d.id is not None for d in r.negatives):
+        rec["negative_ids"] = [d.id for d in r.negatives]
 
 
 def _write_beir(records: list[Record], out: Path, split: str) -> None:

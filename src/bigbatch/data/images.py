@@ -52,6 +52,8 @@ def check_image(path: str | Path) -> str | None:
     try:
         with Image.open(p) as im:
             im.verify()
+    except Image.DecompressionBombError as e:
+        return f"image {str(p)!r} is too large to open safely ({e}); shrink it"
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
         return f"cannot read image {str(p)!r}: {e}"
     return None
@@ -61,12 +63,16 @@ def load_image(path: str | Path) -> Any:
     """The image at ``path`` as an RGB ``PIL.Image``.
 
     Raises:
-        DataError: naming the file, when it is missing or not an image.
+        DataError: naming the file, when it is missing, not an image, or over Pillow's
+            decompression-bomb limit.
     """
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as im:
             return im.convert("RGB")
+    except Image.DecompressionBombError as e:
+        raise DataError(f"image too large to open safely ({e}); shrink it",
+                        path=str(path)) from e
     except (OSError, UnidentifiedImageError, ValueError) as e:
         raise DataError(f"cannot read image: {e}", path=str(path)) from e

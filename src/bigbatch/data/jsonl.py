@@ -3,26 +3,77 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["iter_jsonl"]
+__all__ = ["iter_jsonl", "LineProblem"]
+
+# a JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way one gets into a string,
+# since the file itself is decoded as strict UTF-8
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
+class LineProblem(str):
+    """What is wrong with a line (the string itself), and the ``field`` it is in when known."""
+
+    field: str | None
+
+    def __new__(cls, message: str, field: str | None = None) -> "LineProblem":
+        self = super().__new__(cls, message)
+        self.field = field
+        return self
+
+
+def _not_unicode(value: Any, name: str = "") -> tuple[str, str] | None:
+    """(field, character) of the first string in ``value`` holding an unpaired surrogate
+    (which no tokenizer, hash or UTF-8 writer accepts), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return name, value[e.start]
+        return None
+    items = (value.items() if isinstance(value, dict) else
+             enumerate(value) if isinstance(value, list) else ())
+    for k, v in items:
+        sub = f"{name}[{k}]" if isinstance(k, int) else f"{name}.{k}" if name else str(k)
+        found = _not_unicode(k, sub) if isinstance(k, str) else None
+        found = found or _not_unicode(v, sub)
+        if found:
+            return found
+    return None
+
+
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, LineProblem | None]]:
     """Yield ``(line number, object, None)`` for each non-empty line holding a JSON object, and
-    ``(line number, None, problem)`` for one that does not; the caller raises or collects."""
-    with open(path, encoding="utf-8") as f:
+    ``(line number, None, problem)`` for one that does not (malformed JSON, not a JSON
+    object, not UTF-8, or text that is not valid Unicode); the caller raises or collects."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
+                line.encode("utf-8")
+            except UnicodeEncodeError as e:  # an undecodable byte, kept as a surrogate escape
+                yield n, None, LineProblem(
+                    f"not UTF-8 text (byte 0x{ord(line[e.start]) - 0xDC00:02x} at column "
+                    f"{e.start + 1}); re-encode the file as UTF-8")
+                continue
+            try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                yield n, None, f"malformed JSON ({e.msg})"
+                yield n, None, LineProblem(f"malformed JSON ({e.msg})")
                 continue
             if not isinstance(rec, dict):
-                yield n, None, "expected a JSON object"
+                yield n, None, LineProblem("expected a JSON object")
                 continue
+            if _SURROGATE_ESCAPE.search(line):
+                found = _not_unicode(rec)
+                if found is not None:
+                    yield n, None, LineProblem(
+                        f"holds an unpaired UTF-16 surrogate ({found[1]!r}), which is not valid "
+                        f"Unicode text; fix or remove it", field=found[0] or None)
+                    continue
             yield n, rec, None

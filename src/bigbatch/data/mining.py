@@ -7,16 +7,20 @@ filtering (NV-Retriever, Moreira et al. 2024).
 2. Search with faiss-cpu: exact inner product (``IndexFlatIP``) by default, HNSW for large
    corpora (``index="hnsw"``).
 3. For each (query, positive) pair: remove every known positive of the query from the
-   ranking, keep the candidates at ranks ``[rank_start, rank_end)`` of what remains, and
-   drop likely false negatives: a candidate scoring above ``max_score_ratio`` times the
-   positive's score (TopK-PercPos), or within ``margin`` of it (TopK-MarginPos).
+   ranking, and every copy of one (the same text or image under another corpus id, which
+   training would refuse as "a negative equals the positive"), keep the candidates at ranks
+   ``[rank_start, rank_end)`` of what remains, and drop likely false negatives: a candidate
+   scoring above ``max_score_ratio`` times the positive's score (TopK-PercPos; for a
+   negative score ``p``, above ``p - (1 - max_score_ratio) * |p|``, so the threshold stays
+   below the positive), or within ``margin`` of it (TopK-MarginPos).
 4. Take the first ``num_negatives`` survivors; the search widens until they are found or
    the window is exhausted. A (query, positive) left with fewer than ``min_negatives``
    (default: all ``num_negatives``) is not written, and counted in the report, so the
    output trains with ``--num-hard-negatives num_negatives`` as it is.
 
 Writes training records (contrastors text JSONL with ids) and a report of candidates seen,
-dropped as positives, dropped as false negatives, and records left short.
+dropped as positives, dropped as copies of a positive, dropped as false negatives, and
+records left short.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class MiningReport:
     records: int = 0
     candidates_seen: int = 0
     dropped_as_positive: int = 0
+    dropped_as_copy_of_positive: int = 0
     dropped_as_false_negative: int = 0
     short_records: int = 0
     skipped_records: int = 0
@@ -84,6 +89,8 @@ class MiningReport:
         return [f"queries: {self.queries}", f"records written: {self.records}",
                 f"candidates seen: {self.candidates_seen}",
                 f"dropped as known positives: {self.dropped_as_positive}",
+                f"dropped as copies of a positive (same content, another id): "
+                f"{self.dropped_as_copy_of_positive}",
                 f"dropped as likely false negatives: {self.dropped_as_false_negative}",
                 f"negatives written: {self.negatives_written}",
                 f"records written with fewer than {self.options.get('num_negatives')} "
@@ -103,6 +110,30 @@ def _index(emb: torch.Tensor, kind: str) -> Any:
         index = faiss.IndexFlatIP(d)
     index.add(emb.numpy().astype("float32"))
     return index
+
+
+def _too_close(score: float, pos_score: float, options: MiningOptions) -> bool:
+    """Whether a candidate scoring ``score`` is a likely false negative of a positive scoring
+    ``pos_score``: above the ratio threshold (``ratio * pos_score`` for a positive score,
+    ``pos_score - (1 - ratio) * |pos_score|`` in general, which stays below the positive when
+    its score is negative) or within ``margin`` of it."""
+    ratio, margin = options.max_score_ratio, options.margin
+    if ratio is not None:
+        threshold = ratio * pos_score if pos_score >= 0 else pos_score - (1 - ratio) * -pos_score
+        if score > threshold:
+            return True
+    return margin is not None and score > pos_score - margin
+
+
+def _positive_copies(corpus_path: Path, positive_ids: set[str]) -> dict[str, str]:
+    """``{doc id: content key}`` of every corpus document whose content (a text's hash, an
+    image's path) is that of a positive, the positives included (two streaming passes)."""
+    from .corpus import corpus_texts, iter_corpus
+    from .images import doc_key
+
+    keys = {doc_key(d) for d in corpus_texts(corpus_path, positive_ids).values()}
+    return {d: k for block in iter_corpus(corpus_path) for d, k in
+            ((d, doc_key(doc)) for d, doc in block) if k in keys}
 
 
 def _record(query: str, qid: str, pid: str, negs: list[str], docs: dict[str, Any],
@@ -153,17 +184,24 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
         [queries[q] for q in qids], kind="query", batch_size=options.batch_size, device=device,
         progress="embed queries" if progress else None).float(), dim=-1)
     index = _index(doc_emb, options.index)
+    copies = _positive_copies(root / "corpus.jsonl", {d for rel in qrels.values() for d in rel})
+    holding: dict[str, list[str]] = {}  # content key -> the ids holding it
+    for d, k in copies.items():
+        holding.setdefault(k, []).append(d)
     report = MiningReport(queries=len(qids), options=asdict(options))
     chosen: list[tuple[str, str, list[str]]] = []  # (query id, positive id, negative ids)
     n_docs = len(doc_ids)
     bar = progress_bar(total=len(qids), desc="mine", unit="query") if progress else None
     for qi, qid in enumerate(qids):
         positives = qrels[qid]
+        # documents holding a positive's content under another id are positives too
+        copy = {d for k in {copies[p] for p in positives if p in copies}
+                for d in holding[k]} - set(positives)
         depth = min(n_docs, options.rank_end + len(positives))
         while True:
             scores, idx = index.search(q_emb[qi:qi + 1].numpy(), depth)
             ranked = [(doc_ids[j], float(s)) for j, s in zip(idx[0], scores[0]) if j >= 0]
-            non_pos = [(d, s) for d, s in ranked if d not in positives]
+            non_pos = [(d, s) for d, s in ranked if d not in positives and d not in copy]
             window = non_pos[options.rank_start:options.rank_end]
             enough = len(window) >= options.rank_end - options.rank_start
             if enough or depth >= n_docs:
@@ -175,6 +213,7 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
             last = window[-1][0]
             examined = next(i for i, (d, _) in enumerate(ranked) if d == last) + 1
         report.dropped_as_positive += sum(1 for d, _ in ranked[:examined] if d in positives)
+        report.dropped_as_copy_of_positive += sum(1 for d, _ in ranked[:examined] if d in copy)
         for pid in sorted(positives):
             if pid not in row:
                 continue
@@ -182,10 +221,7 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
             negs = []
             for d, s in window:
                 report.candidates_seen += 1
-                too_close = ((options.max_score_ratio is not None
-                              and s > options.max_score_ratio * pos_score)
-                             or (options.margin is not None and s > pos_score - options.margin))
-                if too_close:
+                if _too_close(s, pos_score, options):
                     report.dropped_as_false_negative += 1
                     continue
                 negs.append(d)

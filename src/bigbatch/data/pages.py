@@ -7,13 +7,16 @@ evaluation) runs end to end on a CPU.
 
 writes a BEIR directory whose ``corpus.jsonl`` records carry ``"image": "images/<id>.png"``
 (the text is kept for reference), the queries and qrels of the rendered documents, and a
-seed-format ``train.jsonl`` (``query``, ``chunk_path``, ``neg_chunk_paths``).
+seed-format ``train.jsonl`` (``query``, ``chunk_path``, ``neg_chunk_paths``). Rendering into
+an existing folder reuses a page only when it was drawn from the same title, text and
+settings (``images/manifest.json`` records what each page was drawn from).
 """
 
 from __future__ import annotations
 
 import csv
 import functools
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -79,6 +82,21 @@ def render_page(title: str, text: str, size: tuple[int, int] = (448, 448),
     return page
 
 
+def _page_key(title: str, text: str, size: tuple[int, int], font_size: int,
+              font: str | None) -> str:
+    """What a page image is drawn from, as a short hash (kept in the images manifest)."""
+    what = json.dumps([title, text, list(size), font_size, font], ensure_ascii=True)
+    return hashlib.sha1(what.encode("ascii")).hexdigest()[:16]
+
+
+def _read_manifest(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _read_qrels(path: Path) -> list[tuple[str, str, int]]:
     if not path.exists():
         return []
@@ -109,7 +127,7 @@ def render_beir_pages(src: str | Path, out: str | Path, *, splits: tuple[str, ..
     corpus: list[dict] = []
     for n, rec, problem in iter_jsonl(src / "corpus.jsonl"):
         if problem is not None:
-            raise DataError(problem, path=str(src / "corpus.jsonl"), line=n)
+            raise DataError(problem, path=str(src / "corpus.jsonl"), line=n, field=problem.field)
         corpus.append(rec)
     extra = [r for r in corpus if str(r["_id"]) not in needed]
     room = len(extra) if max_docs is None else max(0, max_docs - len(needed))
@@ -118,21 +136,29 @@ def render_beir_pages(src: str | Path, out: str | Path, *, splits: tuple[str, ..
     (out / "images").mkdir(parents=True, exist_ok=True)
     (out / "qrels").mkdir(exist_ok=True)
     bar = progress_bar(total=len(keep), desc="render pages", unit="page") if progress else None
+    # a page is reused only when drawn from the same title, text and settings; the manifest
+    # is removed while pages change, so an interrupted run never vouches for a stale page
+    manifest_path = out / "images" / "manifest.json"
+    drawn = _read_manifest(manifest_path)
+    manifest_path.unlink(missing_ok=True)
+    manifest: dict[str, str] = {}
     with open(out / "corpus.jsonl", "w") as f:
         for rec in corpus:
             did = str(rec["_id"])
             if did not in keep:
                 continue
             image = Path("images") / f"{did}.png"
-            if not (out / image).exists():
-                render_page(rec.get("title") or "", rec.get("text") or "", size, font_size,
-                            font).save(out / image)
+            title, text = rec.get("title") or "", rec.get("text") or ""
+            manifest[did] = _page_key(title, text, size, font_size, font)
+            if drawn.get(did) != manifest[did] or not (out / image).exists():
+                render_page(title, text, size, font_size, font).save(out / image)
             f.write(json.dumps({"_id": did, "title": rec.get("title", ""),
                                 "text": rec.get("text", ""), "image": str(image)}) + "\n")
             if bar is not None:
                 bar.update(1)
     if bar is not None:
         bar.close()
+    manifest_path.write_text(json.dumps(manifest, indent=0), encoding="utf-8")
     qids = set()
     for split, rows in qrels.items():
         rows = [r for r in rows if r[1] in keep]

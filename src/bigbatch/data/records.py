@@ -1,7 +1,8 @@
 """Training records and their validation.
 
-A record is one query, one positive document and zero or more negatives. JSONL files may
-use the seed pipeline's keys (``query``; the positive as ``positive`` text or ``chunk_path``,
+A record is one query, one positive document and zero or more negatives. Files may be in any
+file format of :mod:`bigbatch.data.formats` (detected); JSONL files usually use
+the seed pipeline's keys (``query``; the positive as ``positive`` text or ``chunk_path``,
 a path to a text file or a page image; negatives as ``negatives`` texts or
 ``neg_chunk_paths``). Relative paths resolve against the JSONL file's folder. Image paths
 become :class:`~bigbatch.data.images.ImageDoc` documents, opened only when their chunk is
@@ -16,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DataError
-from .formats import Doc, Problem, _read_contrastors
-from .images import ImageDoc, check_image
+from .formats import Doc, Problem, Record, _source_folder, detect_format, read_records
+from .images import IMAGE_SUFFIXES, ImageDoc, check_image
 
-__all__ = ["TrainRecord", "load_jsonl_records", "load_records"]
+__all__ = ["TrainRecord", "load_jsonl_records", "load_records", "resolve_doc", "resolve_record"]
 
 MAX_REPORTED = 20
 
@@ -52,35 +53,86 @@ def text_id(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
 
 
-def _resolve(doc: Doc, base: Path, path: Path, line: int,
-             problems: list[Problem]) -> str | ImageDoc | None:
-    """A parsed document as training input: its text, the text of its file, or an
-    :class:`ImageDoc` for a readable image; None (and a problem) otherwise."""
-    if doc.text is not None:
+_IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"BM", b"II*\x00", b"MM\x00*")
+
+
+def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: list[Problem],
+                field: str | None = None) -> str | ImageDoc | None:
+    """A parsed document as training input: its text, the text of its file (UTF-8), or an
+    :class:`ImageDoc` for a readable image (relative paths resolve against ``base``).
+    Otherwise None, and a problem naming ``path:line`` and the document's field (its source
+    key, else ``field``) is added to ``problems``. ``bigbatch validate`` and the training
+    loader both check documents with this function."""
+    field = doc.key or field
+    if doc.image is None and doc.text is not None:
         return doc.text
-    ref = Path(doc.image or doc.path or "")
-    full = ref if ref.is_absolute() else base / ref
+    ref = doc.image or doc.path or ""
+    full = Path(ref) if Path(ref).is_absolute() else base / ref
     if doc.image is not None:
         why = check_image(full)
         if why is not None:
-            problems.append(Problem(str(path), line, doc.key, why))
+            problems.append(Problem(str(path), line, field, why))
             return None
-        return ImageDoc(str(full.resolve()))
+        return ImageDoc(str(full.resolve()), doc.text or "")
+    at = "" if Path(ref).is_absolute() else f" (at {str(full)!r})"
     try:
-        text = full.read_text(encoding="utf-8")
+        data = full.read_bytes()
     except OSError as e:
-        problems.append(Problem(str(path), line, doc.key,
-                                f"cannot read {str(full)!r}: {e.strerror or e}"))
+        problems.append(Problem(str(path), line, field,
+                                f"cannot read {ref!r}{at}: {e.strerror or e}"))
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        hint = ("; it looks like an image: image paths must end in one of "
+                f"{' '.join(sorted(IMAGE_SUFFIXES))}" if data.startswith(_IMAGE_MAGIC)
+                else "; re-encode it as UTF-8")
+        problems.append(Problem(str(path), line, field, f"{ref!r}{at} is not UTF-8 text "
+                                f"({e.reason} at byte {e.start}){hint}"))
         return None
     if not text.strip():
-        problems.append(Problem(str(path), line, doc.key, f"{str(full)!r} is empty"))
+        problems.append(Problem(str(path), line, field, f"{ref!r}{at} is empty"))
         return None
     return text
 
 
+def resolve_record(r: Record, problems: list[Problem]
+                   ) -> tuple[str | ImageDoc | None, list[str | ImageDoc]]:
+    """(positive, negatives) of a parsed record as training input. A document that cannot be
+    used (the positive as None, a negative left out) is reported in ``problems``, as is a
+    negative that is the positive itself (compared as training compares them: resolved
+    image paths, file contents and texts), and whatever the reader found in the record that
+    it cannot hold (``r.lost``). The record is usable when nothing was reported."""
+    for field, why in r.lost:
+        problems.append(Problem(r.source, r.line, field, f"{why} cannot be represented; "
+                                f"`bigbatch convert --allow-lossy` drops such records"))
+    base = _source_folder(r) or Path(".")
+    positive = resolve_doc(r.positive, base, r.source, r.line, problems, "positive")
+    negatives: list[str | ImageDoc] = []
+    for i, d in enumerate(r.negatives):
+        field = d.key or f"negatives[{i}]"
+        neg = resolve_doc(d, base, r.source, r.line, problems, field)
+        if neg is not None and neg == positive:
+            problems.append(Problem(r.source, r.line, field, "a negative equals the positive"))
+        elif neg is not None:
+            negatives.append(neg)
+    return positive, negatives
+
+
+def _file_format(path: Path) -> str:
+    """The format of a training file (:func:`~bigbatch.data.formats.detect_format`); the seed's
+    ``contrastors`` keys when the first line cannot tell (its problems are reported then)."""
+    try:
+        return detect_format(path)
+    except DataError:
+        return "contrastors"
+
+
 def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
-    """Load and validate a JSONL file of training records (parsed by the ``contrastors``
-    reader of :mod:`bigbatch.data.formats`, then each document file read or checked).
+    """Load and validate a file of training records in any file format of
+    :mod:`bigbatch.data.formats` (the seed's ``contrastors`` JSONL, ms-swift's ``swift``
+    JSONL, sentence-transformers ``st`` JSONL or Parquet; detected from the file), then read
+    or check each document file.
 
     Raises:
         DataError: listing every problem (up to 20 shown, with the total) by file, line, field.
@@ -88,23 +140,16 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
     path = Path(path)
     if not path.exists():
         raise DataError("training data file not found", path=str(path))
-    problems: list[Problem] = []
-    parsed = _read_contrastors(path, problems)
+    parsed, problems = read_records(path, _file_format(path))
     records: list[TrainRecord] = []
     for r in parsed:
-        positive = _resolve(r.positive, path.parent, path, r.line, problems)
-        negatives = [d for d in (_resolve(n, path.parent, path, r.line, problems)
-                                 for n in r.negatives) if d is not None]
-        if positive is None:
-            continue
-        if positive in negatives:
-            problems.append(Problem(str(path), r.line, "negatives",
-                                    "a negative equals the positive"))
+        positive, negatives = resolve_record(r, problems)
+        if positive is None or len(negatives) < len(r.negatives) or r.lost:
             continue
         positive_id = r.positive.id or ""  # else its content key (TrainRecord decides)
         records.append(TrainRecord(query=r.query, positive=positive, negatives=negatives,
                                    positive_id=positive_id, source=str(path), line=r.line,
-                                   query_id=r.query_id or ""))
+                                   query_id="" if r.query_id is None else str(r.query_id)))
     problems.sort(key=lambda p: p.line or 0)  # file order (stable within a line)
     if problems:
         shown = "\n  ".join(str(p) for p in problems[:MAX_REPORTED])

@@ -1,8 +1,10 @@
 """``bigbatch validate``: every problem in training files, with file, line and field.
 
 Checks, in every format of :mod:`bigbatch.data.formats`: malformed JSON, missing keys,
-empty text, image or text files that are missing or unreadable, a negative equal to the
-positive, duplicate queries (the same query with the same positive; a query with several
+empty text, text that is not valid Unicode, image or text files that are missing or
+unreadable (each checked as the training loader checks it: images opened and verified by
+Pillow, text files decoded as UTF-8), a negative equal to the positive (as training compares
+them: resolved paths, file contents, texts), duplicate queries (the same query with the same positive; a query with several
 positives is legitimate), and negative counts that differ from the file's usual count.
 It never stops at the first finding.
 """
@@ -12,53 +14,26 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .formats import Doc, Problem, Record, read_records
+from .formats import Problem, Record, read_records
 
 __all__ = ["validate_file", "validate_records"]
 
-_IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"BM", b"II*\x00", b"MM\x00*")
-
-
-def _check_file(doc: Doc, base: Path, where: tuple[str, int], field: str,
-                problems: list[Problem]) -> None:
-    ref = doc.image or doc.path
-    if ref is None:
-        return
-    p = Path(ref)
-    p = p if p.is_absolute() else base / p
-    try:
-        with open(p, "rb") as f:
-            head = f.read(16)
-    except OSError as e:
-        problems.append(Problem(where[0], where[1], field, f"cannot read {ref!r}: "
-                                f"{e.strerror or e}"))
-        return
-    if doc.image:
-        if not head.startswith(_IMAGE_MAGIC):
-            problems.append(Problem(where[0], where[1], field, f"{ref!r} is not a readable "
-                                    f"image (unknown file signature)"))
-    elif not head.strip():
-        problems.append(Problem(where[0], where[1], field, f"{ref!r} is empty"))
-
-
-def _same(a: Doc, b: Doc) -> bool:
-    return (a.text, a.image, a.path) == (b.text, b.image, b.path)
-
 
 def validate_records(records: list[Record], problems: list[Problem]) -> list[Problem]:
-    """Add the cross-record and file checks to ``problems`` (from reading); returns all."""
+    """Add the document and cross-record checks to ``problems`` (from reading); returns all.
+    Documents are resolved and checked exactly as the training loader does
+    (:func:`bigbatch.data.records.resolve_record`), so a clean file loads for training."""
+    from .images import doc_key
+    from .records import resolve_record
+
+    keys: dict[int, tuple] = {}
     for r in records:
-        base = Path(r.source).parent
-        w = (r.source, r.line)
-        _check_file(r.positive, base, w, "positive", problems)
-        for i, d in enumerate(r.negatives):
-            _check_file(d, base, w, f"negatives[{i}]", problems)
-            if _same(d, r.positive):
-                problems.append(Problem(r.source, r.line, f"negatives[{i}]",
-                                        "a negative equals the positive"))
+        positive, _ = resolve_record(r, problems)
+        if positive is not None:  # the positive's content key: its resolved path or text
+            keys[id(r)] = (r.query, doc_key(positive))
     seen: dict[tuple, int] = {}  # the same query with another positive is a legitimate record
     for r in records:
-        key = (r.query, r.positive.text, r.positive.image, r.positive.path)
+        key = keys.get(id(r), (r.query, r.positive.text, r.positive.image, r.positive.path))
         if key in seen and r.line:
             problems.append(Problem(r.source, r.line, "query",
                                     f"duplicate query with the same positive (first on line "
