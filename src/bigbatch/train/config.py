@@ -90,7 +90,9 @@ class TrainConfig:
         if not self.model:
             raise ConfigError("--model is required: a path or name of a transformers model")
         if not self.train_data:
-            raise ConfigError("--train-data is required: a JSONL file or a BEIR directory")
+            raise ConfigError("--train-data is required: a training file (JSONL in the "
+                              "contrastors, swift or st layout, or st Parquet) or a BEIR "
+                              "directory")
         for name in ("batch_size", "grad_cache_chunk", "max_length", "eval_batch_size",
                      "log_steps"):
             if getattr(self, name) <= 0:
