@@ -43,22 +43,28 @@ def final_weights(out):
     return load_file(f if f.exists() else d / "model.safetensors")
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_resume_equals_a_run_that_never_stopped(assets, tmp_path, lora):
-    kw = {} if lora else {"lora_r": 0}
+@pytest.mark.parametrize("variant", ["lora", "full", "float16-epochs"])
+def test_resume_equals_a_run_that_never_stopped(assets, tmp_path, variant):
+    """float16-epochs: a GradScaler's state, --epochs crossing an epoch boundary (64 records,
+    batch 8: 8 steps an epoch, 1.25 epochs) and the logit scale's own learning rate."""
+    kw = {"lora": {}, "full": {"lora_r": 0},
+          "float16-epochs": {"dtype": "float16", "epochs": 1.25, "logit_scale_lr": 1e-2,
+                             "save_steps": 4}}[variant]
+    steps = 10 if "epochs" in kw else 6
     straight = train(config(assets, tmp_path / "a", **kw))
-    stopped = train(config(assets, tmp_path / "b", **kw), _stop_after=3)
-    assert stopped["stopped"] and latest_checkpoint(tmp_path / "b").name == "checkpoint-000003"
+    stopped = train(config(assets, tmp_path / "b", **kw), _stop_after=kw.get("save_steps", 3))
+    assert stopped["stopped"]
+    assert latest_checkpoint(tmp_path / "b").name == f"checkpoint-{kw.get('save_steps', 3):06d}"
     train(config(assets, tmp_path / "b", resume=str(tmp_path / "b"), **kw))
     la, lb = train_losses(tmp_path / "a"), train_losses(tmp_path / "b")
-    assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
+    assert sorted(la) == sorted(lb) == list(range(1, steps + 1))
     for s in la:
         assert abs(la[s] - lb[s]) <= 1e-6, (s, la[s], lb[s])
     wa, wb = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.allclose(wa[k], wb[k], atol=1e-6, rtol=0), k
-    assert straight["steps"] == 6
+    assert straight["steps"] == steps
 
 
 def test_kill_during_checkpoint_write_keeps_previous(assets, tmp_path, monkeypatch):
