@@ -124,3 +124,27 @@ def test_command_line_end_to_end(assets, tmp_path, capsys):
     from sentence_transformers import SentenceTransformer
     emb = SentenceTransformer(str(out / "final"), device="cpu").encode(["a claim"])
     assert emb.shape == (1, 32)
+
+
+def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(assets, tmp_path, capsys):
+    out = tmp_path / "run"
+    train(config(assets, out, save_steps=2, save_total_limit=2))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000004",
+                                                                "checkpoint-000006"]
+    capsys.readouterr()
+    # branch from checkpoint-4 with another learning rate; killed after step 5, before a save
+    branch = dict(save_steps=2, save_total_limit=2, lr=1e-4)
+    train(config(assets, out, resume=str(out / "checkpoint-000004"), **branch), _stop_after=5)
+    moved = list(out.glob("abandoned-*"))
+    assert len(moved) == 1
+    assert sorted(p.name for p in moved[0].iterdir()) == ["checkpoint-000006", "metrics.jsonl"]
+    assert (moved[0] / "checkpoint-000006" / "trainer_state.pt").exists()   # nothing deleted
+    assert "checkpoint-000006); they belong to" in capsys.readouterr().out
+    assert (out / "final").exists()                                        # nothing else moved
+    # the checkpoint resumed from is kept (no newer one yet) and a plain --resume takes it
+    assert latest_checkpoint(out).name == "checkpoint-000004"
+    # one checkpoint kept, one saved each step: the new run's checkpoint-5 replaces checkpoint-4
+    train(config(assets, out, resume=str(out), **{**branch, "save_steps": 1,
+                                                   "save_total_limit": 1}), _stop_after=5)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000005"]
+    assert list(out.glob("abandoned-*")) == moved

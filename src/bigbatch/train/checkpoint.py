@@ -11,6 +11,7 @@ import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from ..errors import ConfigError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rotate_checkpoints",
-           "rng_state", "set_rng_state", "atomic_dir"]
+           "abandon_later_checkpoints", "rng_state", "set_rng_state", "atomic_dir"]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -45,6 +46,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: str | Path) -> None:
+    """Flush a directory's entries (renames, new files) to disk; a no-op where directories
+    cannot be opened (Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
 
 
 class atomic_dir:
@@ -152,3 +168,37 @@ def rotate_checkpoints(output_dir: str | Path, keep: int) -> None:
                    if (m := _NAME.match(p.name)))
     for _, p in found[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+def abandon_later_checkpoints(output_dir: str | Path, step: int) -> Path | None:
+    """Move every ``checkpoint-N`` of ``output_dir`` with ``N > step`` into a new
+    ``abandoned-<timestamp>/`` folder there; call on the main rank when a run resumes from
+    ``step``. Returns that folder, or None when there was nothing to move.
+
+    Those checkpoints belong to the timeline the resume branches away from: left in place they
+    would outrank the resumed run's own checkpoints (rotation would delete the new ones, and a
+    later ``--resume output_dir`` would continue the old timeline). Nothing is deleted; a copy
+    of ``metrics.jsonl`` goes along, as the resumed run keeps only its rows up to ``step``.
+    """
+    out = Path(output_dir)
+    later = sorted((int(m.group(1)), p) for p in out.glob("checkpoint-*")
+                   if (m := _NAME.match(p.name)) and int(m.group(1)) > step)
+    if not later:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = out / f"abandoned-{stamp}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = out / f"abandoned-{stamp}-{n}"
+    dest.mkdir()
+    for _, p in later:
+        os.replace(p, dest / p.name)
+    if (out / "metrics.jsonl").exists():
+        shutil.copy2(out / "metrics.jsonl", dest / "metrics.jsonl")
+    _fsync_dir(dest)
+    _fsync_dir(out)
+    print(f"bigbatch train: resuming from step {step}, but {out} holds checkpoints of a later "
+          f"point of the run ({', '.join(p.name for _, p in later)}); they belong to the "
+          f"timeline this resume abandons and were moved to {dest}", flush=True)
+    return dest

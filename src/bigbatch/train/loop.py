@@ -20,8 +20,8 @@ from .._progress import progress_bar
 from ..cache import GradCache
 from ..errors import ConfigError
 from ..losses import CorpusInfoNCE, InfoNCE
-from .checkpoint import (atomic_dir, latest_checkpoint, load_checkpoint, rng_state,
-                         rotate_checkpoints, save_checkpoint)
+from .checkpoint import (abandon_later_checkpoints, atomic_dir, latest_checkpoint,
+                         load_checkpoint, rng_state, rotate_checkpoints, save_checkpoint)
 from .config import TrainConfig
 from .logging import RunLogger, plot_metrics
 from .schedule import make_scheduler
@@ -261,6 +261,8 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
         ckpt = _resume_path(config.resume)
         state = load_checkpoint(ckpt, encoder=encoder, loss_fn=loss_fn, optimizer=optimizer,
                                 scheduler=scheduler, scaler=scaler, rank=info.rank)
+        if info.is_main:  # later checkpoints of the timeline left behind would outrank ours
+            abandon_later_checkpoints(out, state["step"])
     else:
         torch.manual_seed(config.seed + info.rank)  # each rank its own dropout stream
 
