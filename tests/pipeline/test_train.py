@@ -3,6 +3,7 @@ atomic checkpoints, bad records stopped before step 1, and the command line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -37,6 +38,21 @@ def train_losses(out):
     return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
+def logged_steps(out, kind="train"):
+    """Every step ``metrics.jsonl`` has a row of ``kind`` for, in file order (repeats kept)."""
+    rows = [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if r["kind"] == kind]
+
+
+def tensorboard_steps(out, tag="train/loss"):
+    """The steps TensorBoard shows for ``tag`` (it drops those a ``purge_step`` hides)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(out) / "tensorboard"))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
 def final_weights(out):
     d = Path(out) / "final"
     f = d / "adapter_model.safetensors"
@@ -47,11 +63,14 @@ def final_weights(out):
 def test_resume_equals_a_run_that_never_stopped(assets, tmp_path, lora):
     kw = {} if lora else {"lora_r": 0}
     straight = train(config(assets, tmp_path / "a", **kw))
-    stopped = train(config(assets, tmp_path / "b", **kw), _stop_after=3)
+    # killed after step 4: step 4 was logged, but the run resumes from checkpoint-3
+    stopped = train(config(assets, tmp_path / "b", **kw), _stop_after=4)
     assert stopped["stopped"] and latest_checkpoint(tmp_path / "b").name == "checkpoint-000003"
     train(config(assets, tmp_path / "b", resume=str(tmp_path / "b"), **kw))
+    assert logged_steps(tmp_path / "a") == logged_steps(tmp_path / "b") == [1, 2, 3, 4, 5, 6]
+    if importlib.util.find_spec("tensorboard") is not None:
+        assert tensorboard_steps(tmp_path / "b") == [1, 2, 3, 4, 5, 6]
     la, lb = train_losses(tmp_path / "a"), train_losses(tmp_path / "b")
-    assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
     for s in la:
         assert abs(la[s] - lb[s]) <= 1e-6, (s, la[s], lb[s])
     wa, wb = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
@@ -148,3 +167,15 @@ def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(assets, tmp
                                                    "save_total_limit": 1}), _stop_after=5)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000005"]
     assert list(out.glob("abandoned-*")) == moved
+
+
+def test_resume_drops_the_metrics_rows_it_logs_again(tmp_path):
+    from bigbatch.train.logging import RunLogger
+
+    f = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "eval", "step": 0}] + [{"kind": "train", "step": s} for s in range(1, 6)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "tra')  # torn by a kill
+    RunLogger(tmp_path, resume_step=3).close()
+    assert [json.loads(l)["step"] for l in f.read_text().splitlines()] == [0, 1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "tensorboard") == [
+        "metrics.jsonl"]                                            # no temporary file left

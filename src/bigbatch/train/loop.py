@@ -266,7 +266,8 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
     else:
         torch.manual_seed(config.seed + info.rank)  # each rank its own dropout stream
 
-    logger = RunLogger(out, enabled=info.is_main)
+    logger = RunLogger(out, enabled=info.is_main,  # a resume drops the rows it logs again
+                       resume_step=state["step"] if config.resume else None)
     if info.is_main:
         config.write(out / "config.yaml")
         n_train = sum(p.numel() for p in model_params)
