@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -179,3 +181,58 @@ def test_resume_drops_the_metrics_rows_it_logs_again(tmp_path):
     assert [json.loads(l)["step"] for l in f.read_text().splitlines()] == [0, 1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "tensorboard") == [
         "metrics.jsonl"]                                            # no temporary file left
+
+
+def test_a_kill_between_the_renames_of_a_replacement_is_recovered(assets, tmp_path):
+    out = tmp_path / "run"
+    train(config(assets, out), _stop_after=3)
+    # the state a hard kill leaves while checkpoint-3 is being rewritten: the old copy moved
+    # aside, the new one complete but not yet renamed into place; and an older write's debris
+    os.replace(out / "checkpoint-000003", out / ".checkpoint-000003.old-4242")
+    shutil.copytree(out / ".checkpoint-000003.old-4242", out / ".checkpoint-000003.tmp-4242")
+    (out / ".final.tmp-4241").mkdir()
+    (out / ".metrics.jsonl.tmp-4241").write_text("{")
+    summary = train(config(assets, out, resume=str(out)))
+    assert summary["steps"] == 6 and (out / "final" / "adapter_model.safetensors").exists()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_recover_output_dir(tmp_path, monkeypatch):
+    from bigbatch.train import checkpoint as C
+
+    with C.atomic_dir(tmp_path / "best") as t:
+        (t / "weights").write_text("step 100")
+    real, calls = os.replace, []
+
+    def killed_after_first(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("SIGKILL between the two renames")
+        return real(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(C.os, "replace", killed_after_first)
+        with pytest.raises(KeyboardInterrupt), C.atomic_dir(tmp_path / "best") as t:
+            (t / "weights").write_text("step 200")
+    assert not (tmp_path / "best").exists()
+    # a target that exists next to an old copy whose deletion was cut short, and another
+    # process's unfinished write
+    (tmp_path / "final").mkdir()
+    (tmp_path / ".final.old-7").mkdir()
+    (tmp_path / ".checkpoint-000002.tmp-8").mkdir()
+    done = C.recover_output_dir(tmp_path)
+    assert (tmp_path / "best" / "weights").read_text() == "step 100"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "final"]
+    assert len(done) == 4 and done[0].startswith(f"restored {tmp_path / 'best'}")
+
+
+def test_atomic_dir_syncs_the_parent_after_the_renames(tmp_path, monkeypatch):
+    from bigbatch.train import checkpoint as C
+
+    synced = []
+    monkeypatch.setattr(C, "_fsync_dir", lambda d: synced.append(
+        (Path(d), (tmp_path / "x" / "f").exists())))
+    (tmp_path / "x").mkdir()
+    with C.atomic_dir(tmp_path / "x") as t:
+        (t / "f").write_text("new")
+    assert (tmp_path, True) in synced       # the directory holding the renamed entries

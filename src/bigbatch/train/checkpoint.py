@@ -20,7 +20,8 @@ import torch
 from ..errors import ConfigError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rotate_checkpoints",
-           "abandon_later_checkpoints", "rng_state", "set_rng_state", "atomic_dir"]
+           "abandon_later_checkpoints", "recover_output_dir", "rng_state", "set_rng_state",
+           "atomic_dir"]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -65,8 +66,12 @@ def _fsync_dir(path: str | Path) -> None:
 
 class atomic_dir:
     """``with atomic_dir(final) as tmp:`` write into ``tmp``; on success ``tmp`` replaces
-    ``final`` (the old one is moved aside first, then deleted); on failure ``tmp`` is removed
-    and ``final`` is untouched."""
+    ``final`` (the old one is moved aside to ``.NAME.old-PID`` first, then deleted once the
+    new one's rename is on disk); on failure ``tmp`` is removed and ``final`` is untouched.
+
+    Replacing a directory takes two renames; a hard kill between them leaves only
+    ``.NAME.old-PID``, and one during the write leaves ``.NAME.tmp-PID``:
+    :func:`recover_output_dir` puts such a directory back and clears the rest."""
 
     def __init__(self, final: str | Path) -> None:
         self.final = Path(final)
@@ -86,12 +91,59 @@ class atomic_dir:
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
+        for d in [*(p for p in self.tmp.rglob("*") if p.is_dir()), self.tmp]:
+            _fsync_dir(d)  # and the directory entries naming them
         old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
         if self.final.exists():
             os.replace(self.final, old)
         os.replace(self.tmp, self.final)
+        _fsync_dir(self.final.parent)  # both renames on disk before the old copy goes
         if old.exists():
             shutil.rmtree(old)
+
+
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
+
+
+def recover_output_dir(output_dir: str | Path) -> list[str]:
+    """Repair what a hard kill inside :class:`atomic_dir` left in ``output_dir``; call at the
+    start of a run, on the main rank, before anything reads or writes there.
+
+    * ``.X.old-PID`` whose ``X`` is missing (killed between the two renames of a replacement)
+      is renamed back to ``X``: the replacement never completed, so the previous version is
+      the consistent one (with several, the newest is restored);
+    * ``.X.old-PID`` whose ``X`` exists (killed before the old copy was deleted) is removed;
+    * ``.X.tmp-PID`` (a write that never completed) is removed.
+
+    Returns one line per action (also printed).
+    """
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found: dict[str, dict[str, list[Path]]] = {}
+    for p in out.iterdir():
+        m = _LEFTOVER.match(p.name)
+        if m:
+            found.setdefault(m["name"], {"tmp": [], "old": []})[m["kind"]].append(p)
+    done: list[str] = []
+    for name, kinds in sorted(found.items()):
+        target = out / name
+        olds = sorted(kinds["old"], key=lambda p: p.stat().st_mtime_ns)
+        if olds and not target.exists():
+            os.replace(olds[-1], target)
+            _fsync_dir(out)
+            done.append(f"restored {target} from {olds[-1].name} (a kill interrupted its "
+                        f"replacement)")
+            olds = olds[:-1]
+        for p in olds + kinds["tmp"]:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            done.append(f"removed {p} (left by an interrupted write)")
+    for line in done:
+        print(f"bigbatch train: {line}", flush=True)
+    return done
 
 
 def save_checkpoint(path: str | Path, *, encoder: Any, loss_fn: torch.nn.Module,

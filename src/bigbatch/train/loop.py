@@ -21,7 +21,8 @@ from ..cache import GradCache
 from ..errors import ConfigError
 from ..losses import CorpusInfoNCE, InfoNCE
 from .checkpoint import (abandon_later_checkpoints, atomic_dir, latest_checkpoint,
-                         load_checkpoint, rng_state, rotate_checkpoints, save_checkpoint)
+                         load_checkpoint, recover_output_dir, rng_state, rotate_checkpoints,
+                         save_checkpoint)
 from .config import TrainConfig
 from .logging import RunLogger, plot_metrics
 from .schedule import make_scheduler
@@ -200,6 +201,8 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
     out = Path(config.output_dir)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        recover_output_dir(out)  # what a kill inside atomic_dir left, before anyone reads it
+    _barrier(info)
     records = load_records(config.train_data, config.train_split, config.num_hard_negatives)
     if config.grad_cache_chunk > config.batch_size:
         config.grad_cache_chunk = config.batch_size
