@@ -236,3 +236,19 @@ def test_atomic_dir_syncs_the_parent_after_the_renames(tmp_path, monkeypatch):
     with C.atomic_dir(tmp_path / "x") as t:
         (t / "f").write_text("new")
     assert (tmp_path, True) in synced       # the directory holding the renamed entries
+
+
+def test_resuming_a_finished_run_redoes_nothing(assets, tmp_path, capsys):
+    _, data = assets
+    out = tmp_path / "run"
+    kw = dict(eval_data=str(data), eval_batch_size=64, max_steps=3, save_steps=2)
+    first = train(config(assets, out, **kw))
+    files = [p for p in out.rglob("*") if p.is_file()]
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files}
+    capsys.readouterr()
+    again = train(config(assets, out, resume=str(out), **kw))
+    assert logged_steps(out, "eval") == [3] and logged_steps(out) == [1, 2, 3]
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files} == before
+    assert sorted(p for p in out.rglob("*") if p.is_file()) == sorted(files)
+    assert "already finished (3 of 3 steps" in capsys.readouterr().out
+    assert again["steps"] == 3 and again["final"] == first["final"] and "encoder" in again

@@ -7,6 +7,7 @@ random state (per rank) and the data position.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -20,8 +21,8 @@ import torch
 from ..errors import ConfigError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rotate_checkpoints",
-           "abandon_later_checkpoints", "recover_output_dir", "rng_state", "set_rng_state",
-           "atomic_dir"]
+           "abandon_later_checkpoints", "recover_output_dir", "finished_run", "rng_state",
+           "set_rng_state", "atomic_dir"]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -254,3 +255,28 @@ def abandon_later_checkpoints(output_dir: str | Path, step: int) -> Path | None:
           f"point of the run ({', '.join(p.name for _, p in later)}); they belong to the "
           f"timeline this resume abandons and were moved to {dest}", flush=True)
     return dest
+
+
+def finished_run(output_dir: str | Path, step: int, max_steps: int,
+                 announce: bool = True) -> dict[str, Any] | None:
+    """The saved ``summary.json`` of ``output_dir`` when a run resumed at ``step`` has nothing
+    left to do, else None.
+
+    Finished means: ``step`` reached ``max_steps``, ``final/`` exists and ``summary.json``
+    (written last, after the final evaluation and ``final/``) is there and names ``step``.
+    A run killed anywhere before that point is not finished and redoes only its end (final
+    evaluation, checkpoint, ``final/``). ``announce`` prints a line saying so (main rank).
+    """
+    out = Path(output_dir)
+    if step < max_steps or not (out / "final").is_dir():
+        return None
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("steps") != step:
+        return None
+    if announce:
+        print(f"bigbatch train: the run in {out} already finished ({step} of {max_steps} "
+              f"steps, final model in {out / 'final'}); nothing to resume", flush=True)
+    return summary

@@ -20,9 +20,9 @@ from .._progress import progress_bar
 from ..cache import GradCache
 from ..errors import ConfigError
 from ..losses import CorpusInfoNCE, InfoNCE
-from .checkpoint import (abandon_later_checkpoints, atomic_dir, latest_checkpoint,
-                         load_checkpoint, recover_output_dir, rng_state, rotate_checkpoints,
-                         save_checkpoint)
+from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run,
+                         latest_checkpoint, load_checkpoint, recover_output_dir, rng_state,
+                         rotate_checkpoints, save_checkpoint)
 from .config import TrainConfig
 from .logging import RunLogger, plot_metrics
 from .schedule import make_scheduler
@@ -266,6 +266,8 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
                                 scheduler=scheduler, scaler=scaler, rank=info.rank)
         if info.is_main:  # later checkpoints of the timeline left behind would outrank ours
             abandon_later_checkpoints(out, state["step"])
+        if (done := finished_run(out, state["step"], max_steps, announce=info.is_main)):
+            return {**done, "encoder": encoder}  # nothing left: no evaluation, no rewrite
     else:
         torch.manual_seed(config.seed + info.rank)  # each rank its own dropout stream
 
