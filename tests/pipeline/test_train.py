@@ -3,7 +3,10 @@ atomic checkpoints, bad records stopped before step 1, and the command line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -37,6 +40,21 @@ def train_losses(out):
     return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
+def logged_steps(out, kind="train"):
+    """Every step ``metrics.jsonl`` has a row of ``kind`` for, in file order (repeats kept)."""
+    rows = [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if r["kind"] == kind]
+
+
+def tensorboard_steps(out, tag="train/loss"):
+    """The steps TensorBoard shows for ``tag`` (it drops those a ``purge_step`` hides)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(out) / "tensorboard"))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
 def final_weights(out):
     d = Path(out) / "final"
     f = d / "adapter_model.safetensors"
@@ -52,12 +70,17 @@ def test_resume_equals_a_run_that_never_stopped(assets, tmp_path, variant):
                              "save_steps": 4}}[variant]
     steps = 10 if "epochs" in kw else 6
     straight = train(config(assets, tmp_path / "a", **kw))
-    stopped = train(config(assets, tmp_path / "b", **kw), _stop_after=kw.get("save_steps", 3))
-    assert stopped["stopped"]
-    assert latest_checkpoint(tmp_path / "b").name == f"checkpoint-{kw.get('save_steps', 3):06d}"
+    # killed one step after its last checkpoint: that step was logged, but the run resumes
+    # from the checkpoint (and must not log it twice)
+    saved = kw.get("save_steps", 3)
+    stopped = train(config(assets, tmp_path / "b", **kw), _stop_after=saved + 1)
+    assert stopped["stopped"] and latest_checkpoint(tmp_path / "b").name == f"checkpoint-{saved:06d}"
     train(config(assets, tmp_path / "b", resume=str(tmp_path / "b"), **kw))
+    every = list(range(1, steps + 1))
+    assert logged_steps(tmp_path / "a") == logged_steps(tmp_path / "b") == every
+    if importlib.util.find_spec("tensorboard") is not None:
+        assert tensorboard_steps(tmp_path / "b") == every
     la, lb = train_losses(tmp_path / "a"), train_losses(tmp_path / "b")
-    assert sorted(la) == sorted(lb) == list(range(1, steps + 1))
     for s in la:
         assert abs(la[s] - lb[s]) <= 1e-6, (s, la[s], lb[s])
     wa, wb = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
@@ -194,3 +217,110 @@ def test_a_max_length_beyond_the_models_positions_is_refused(assets, tmp_path):
 
     with pytest.raises(ConfigError, match="--max-length: 200 is more than the 128 positions"):
         train(config(assets, tmp_path / "run", max_length=200))
+
+
+def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(assets, tmp_path, capsys):
+    out = tmp_path / "run"
+    train(config(assets, out, save_steps=2, save_total_limit=2))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000004",
+                                                                "checkpoint-000006"]
+    capsys.readouterr()
+    # branch from checkpoint-4 with another learning rate; killed after step 5, before a save
+    branch = dict(save_steps=2, save_total_limit=2, lr=1e-4)
+    train(config(assets, out, resume=str(out / "checkpoint-000004"), **branch), _stop_after=5)
+    moved = list(out.glob("abandoned-*"))
+    assert len(moved) == 1
+    assert sorted(p.name for p in moved[0].iterdir()) == ["checkpoint-000006", "metrics.jsonl"]
+    assert (moved[0] / "checkpoint-000006" / "trainer_state.pt").exists()   # nothing deleted
+    assert "checkpoint-000006); they belong to" in capsys.readouterr().out
+    assert (out / "final").exists()                                        # nothing else moved
+    # the checkpoint resumed from is kept (no newer one yet) and a plain --resume takes it
+    assert latest_checkpoint(out).name == "checkpoint-000004"
+    # one checkpoint kept, one saved each step: the new run's checkpoint-5 replaces checkpoint-4
+    train(config(assets, out, resume=str(out), **{**branch, "save_steps": 1,
+                                                   "save_total_limit": 1}), _stop_after=5)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000005"]
+    assert list(out.glob("abandoned-*")) == moved
+
+
+def test_resume_drops_the_metrics_rows_it_logs_again(tmp_path):
+    from bigbatch.train.logging import RunLogger
+
+    f = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "eval", "step": 0}] + [{"kind": "train", "step": s} for s in range(1, 6)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "tra')  # torn by a kill
+    RunLogger(tmp_path, resume_step=3).close()
+    assert [json.loads(l)["step"] for l in f.read_text().splitlines()] == [0, 1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "tensorboard") == [
+        "metrics.jsonl"]                                            # no temporary file left
+
+
+def test_a_kill_between_the_renames_of_a_replacement_is_recovered(assets, tmp_path):
+    out = tmp_path / "run"
+    train(config(assets, out), _stop_after=3)
+    # the state a hard kill leaves while checkpoint-3 is being rewritten: the old copy moved
+    # aside, the new one complete but not yet renamed into place; and an older write's debris
+    os.replace(out / "checkpoint-000003", out / ".checkpoint-000003.old-4242")
+    shutil.copytree(out / ".checkpoint-000003.old-4242", out / ".checkpoint-000003.tmp-4242")
+    (out / ".final.tmp-4241").mkdir()
+    (out / ".metrics.jsonl.tmp-4241").write_text("{")
+    summary = train(config(assets, out, resume=str(out)))
+    assert summary["steps"] == 6 and (out / "final" / "adapter_model.safetensors").exists()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_recover_output_dir(tmp_path, monkeypatch):
+    from bigbatch.train import checkpoint as C
+
+    with C.atomic_dir(tmp_path / "best") as t:
+        (t / "weights").write_text("step 100")
+    real, calls = os.replace, []
+
+    def killed_after_first(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("SIGKILL between the two renames")
+        return real(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(C.os, "replace", killed_after_first)
+        with pytest.raises(KeyboardInterrupt), C.atomic_dir(tmp_path / "best") as t:
+            (t / "weights").write_text("step 200")
+    assert not (tmp_path / "best").exists()
+    # a target that exists next to an old copy whose deletion was cut short, and another
+    # process's unfinished write
+    (tmp_path / "final").mkdir()
+    (tmp_path / ".final.old-7").mkdir()
+    (tmp_path / ".checkpoint-000002.tmp-8").mkdir()
+    done = C.recover_output_dir(tmp_path)
+    assert (tmp_path / "best" / "weights").read_text() == "step 100"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "final"]
+    assert len(done) == 4 and done[0].startswith(f"restored {tmp_path / 'best'}")
+
+
+def test_atomic_dir_syncs_the_parent_after_the_renames(tmp_path, monkeypatch):
+    from bigbatch.train import checkpoint as C
+
+    synced = []
+    monkeypatch.setattr(C, "_fsync_dir", lambda d: synced.append(
+        (Path(d), (tmp_path / "x" / "f").exists())))
+    (tmp_path / "x").mkdir()
+    with C.atomic_dir(tmp_path / "x") as t:
+        (t / "f").write_text("new")
+    assert (tmp_path, True) in synced       # the directory holding the renamed entries
+
+
+def test_resuming_a_finished_run_redoes_nothing(assets, tmp_path, capsys):
+    _, data = assets
+    out = tmp_path / "run"
+    kw = dict(eval_data=str(data), eval_batch_size=64, max_steps=3, save_steps=2)
+    first = train(config(assets, out, **kw))
+    files = [p for p in out.rglob("*") if p.is_file()]
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files}
+    capsys.readouterr()
+    again = train(config(assets, out, resume=str(out), **kw))
+    assert logged_steps(out, "eval") == [3] and logged_steps(out) == [1, 2, 3]
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files} == before
+    assert sorted(p for p in out.rglob("*") if p.is_file()) == sorted(files)
+    assert "already finished (3 of 3 steps" in capsys.readouterr().out
+    assert again["steps"] == 3 and again["final"] == first["final"] and "encoder" in again

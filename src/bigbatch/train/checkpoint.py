@@ -7,10 +7,12 @@ random state (per rank) and the data position.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,8 @@ import torch
 from ..errors import ConfigError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rotate_checkpoints",
-           "rng_state", "set_rng_state", "atomic_dir"]
+           "abandon_later_checkpoints", "recover_output_dir", "finished_run", "rng_state",
+           "set_rng_state", "atomic_dir"]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -47,10 +50,29 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _fsync_dir(path: str | Path) -> None:
+    """Flush a directory's entries (renames, new files) to disk; a no-op where directories
+    cannot be opened (Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
+
+
 class atomic_dir:
     """``with atomic_dir(final) as tmp:`` write into ``tmp``; on success ``tmp`` replaces
-    ``final`` (the old one is moved aside first, then deleted); on failure ``tmp`` is removed
-    and ``final`` is untouched."""
+    ``final`` (the old one is moved aside to ``.NAME.old-PID`` first, then deleted once the
+    new one's rename is on disk); on failure ``tmp`` is removed and ``final`` is untouched.
+
+    Replacing a directory takes two renames; a hard kill between them leaves only
+    ``.NAME.old-PID``, and one during the write leaves ``.NAME.tmp-PID``:
+    :func:`recover_output_dir` puts such a directory back and clears the rest."""
 
     def __init__(self, final: str | Path) -> None:
         self.final = Path(final)
@@ -70,12 +92,59 @@ class atomic_dir:
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
+        for d in [*(p for p in self.tmp.rglob("*") if p.is_dir()), self.tmp]:
+            _fsync_dir(d)  # and the directory entries naming them
         old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
         if self.final.exists():
             os.replace(self.final, old)
         os.replace(self.tmp, self.final)
+        _fsync_dir(self.final.parent)  # both renames on disk before the old copy goes
         if old.exists():
             shutil.rmtree(old)
+
+
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
+
+
+def recover_output_dir(output_dir: str | Path) -> list[str]:
+    """Repair what a hard kill inside :class:`atomic_dir` left in ``output_dir``; call at the
+    start of a run, on the main rank, before anything reads or writes there.
+
+    * ``.X.old-PID`` whose ``X`` is missing (killed between the two renames of a replacement)
+      is renamed back to ``X``: the replacement never completed, so the previous version is
+      the consistent one (with several, the newest is restored);
+    * ``.X.old-PID`` whose ``X`` exists (killed before the old copy was deleted) is removed;
+    * ``.X.tmp-PID`` (a write that never completed) is removed.
+
+    Returns one line per action (also printed).
+    """
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found: dict[str, dict[str, list[Path]]] = {}
+    for p in out.iterdir():
+        m = _LEFTOVER.match(p.name)
+        if m:
+            found.setdefault(m["name"], {"tmp": [], "old": []})[m["kind"]].append(p)
+    done: list[str] = []
+    for name, kinds in sorted(found.items()):
+        target = out / name
+        olds = sorted(kinds["old"], key=lambda p: p.stat().st_mtime_ns)
+        if olds and not target.exists():
+            os.replace(olds[-1], target)
+            _fsync_dir(out)
+            done.append(f"restored {target} from {olds[-1].name} (a kill interrupted its "
+                        f"replacement)")
+            olds = olds[:-1]
+        for p in olds + kinds["tmp"]:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            done.append(f"removed {p} (left by an interrupted write)")
+    for line in done:
+        print(f"bigbatch train: {line}", flush=True)
+    return done
 
 
 def save_checkpoint(path: str | Path, *, encoder: Any, loss_fn: torch.nn.Module,
@@ -152,3 +221,62 @@ def rotate_checkpoints(output_dir: str | Path, keep: int) -> None:
                    if (m := _NAME.match(p.name)))
     for _, p in found[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+def abandon_later_checkpoints(output_dir: str | Path, step: int) -> Path | None:
+    """Move every ``checkpoint-N`` of ``output_dir`` with ``N > step`` into a new
+    ``abandoned-<timestamp>/`` folder there; call on the main rank when a run resumes from
+    ``step``. Returns that folder, or None when there was nothing to move.
+
+    Those checkpoints belong to the timeline the resume branches away from: left in place they
+    would outrank the resumed run's own checkpoints (rotation would delete the new ones, and a
+    later ``--resume output_dir`` would continue the old timeline). Nothing is deleted; a copy
+    of ``metrics.jsonl`` goes along, as the resumed run keeps only its rows up to ``step``.
+    """
+    out = Path(output_dir)
+    later = sorted((int(m.group(1)), p) for p in out.glob("checkpoint-*")
+                   if (m := _NAME.match(p.name)) and int(m.group(1)) > step)
+    if not later:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = out / f"abandoned-{stamp}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = out / f"abandoned-{stamp}-{n}"
+    dest.mkdir()
+    for _, p in later:
+        os.replace(p, dest / p.name)
+    if (out / "metrics.jsonl").exists():
+        shutil.copy2(out / "metrics.jsonl", dest / "metrics.jsonl")
+    _fsync_dir(dest)
+    _fsync_dir(out)
+    print(f"bigbatch train: resuming from step {step}, but {out} holds checkpoints of a later "
+          f"point of the run ({', '.join(p.name for _, p in later)}); they belong to the "
+          f"timeline this resume abandons and were moved to {dest}", flush=True)
+    return dest
+
+
+def finished_run(output_dir: str | Path, step: int, max_steps: int,
+                 announce: bool = True) -> dict[str, Any] | None:
+    """The saved ``summary.json`` of ``output_dir`` when a run resumed at ``step`` has nothing
+    left to do, else None.
+
+    Finished means: ``step`` reached ``max_steps``, ``final/`` exists and ``summary.json``
+    (written last, after the final evaluation and ``final/``) is there and names ``step``.
+    A run killed anywhere before that point is not finished and redoes only its end (final
+    evaluation, checkpoint, ``final/``). ``announce`` prints a line saying so (main rank).
+    """
+    out = Path(output_dir)
+    if step < max_steps or not (out / "final").is_dir():
+        return None
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("steps") != step:
+        return None
+    if announce:
+        print(f"bigbatch train: the run in {out} already finished ({step} of {max_steps} "
+              f"steps, final model in {out / 'final'}); nothing to resume", flush=True)
+    return summary

@@ -5,29 +5,78 @@ and evaluation metrics at the end (matplotlib)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunLogger", "plot_metrics"]
+from .checkpoint import _fsync_dir
+
+__all__ = ["RunLogger", "plot_metrics", "truncate_metrics"]
+
+
+def truncate_metrics(path: str | Path, step: int) -> int:
+    """Keep only the rows of a ``metrics.jsonl`` with ``step <= step``, replacing the file
+    atomically (a temporary file renamed over it); returns how many rows were dropped.
+
+    A run resumed from the checkpoint of ``step`` logs every later step again, so the rows a
+    killed run wrote after its last checkpoint (or an abandoned timeline's) must go first. A
+    torn last line (a kill in the middle of a write) is dropped too.
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = []
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1:  # torn by a kill mid-write
+                continue
+            kept.append(line)  # not ours to judge
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) \
+                or rec["step"] <= step:
+            kept.append(line)
+    dropped = len(lines) - len(kept)
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    return dropped
 
 
 class RunLogger:
-    """Append-only metrics log for the main process."""
+    """Append-only metrics log for the main process.
 
-    def __init__(self, output_dir: str | Path, enabled: bool = True) -> None:
+    ``resume_step``: the step of the checkpoint a resumed run starts from. Rows logged after
+    it (by the run that was killed, or by an abandoned timeline) are removed from
+    ``metrics.jsonl`` and hidden from TensorBoard (``purge_step``), as they are logged again.
+    """
+
+    def __init__(self, output_dir: str | Path, enabled: bool = True,
+                 resume_step: int | None = None) -> None:
         self.dir = Path(output_dir)
         self.enabled = enabled
         self.path = self.dir / "metrics.jsonl"
         self.tb = None
         if enabled:
+            if resume_step is not None:
+                truncate_metrics(self.path, resume_step)
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+                purge = resume_step + 1 if resume_step is not None else None
+                self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=purge)
             except ImportError:  # tensorboard is an optional extra
                 self.tb = None
 
     def log(self, step: int, values: dict[str, Any], kind: str = "train") -> None:
+        """Append one row (``kind`` "train" or "eval") for ``step``."""
         if not self.enabled:
             return
         rec = {"kind": kind, "step": step, "time": round(time.time(), 3)}
@@ -41,6 +90,7 @@ class RunLogger:
             self.tb.flush()
 
     def close(self) -> None:
+        """Flush and close the TensorBoard writer."""
         if self.tb is not None:
             self.tb.close()
 

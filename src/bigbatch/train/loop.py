@@ -21,7 +21,8 @@ from .._progress import progress_bar
 from ..cache import GradCache
 from ..errors import ConfigError
 from ..losses import CorpusInfoNCE, InfoNCE
-from .checkpoint import (atomic_dir, latest_checkpoint, load_checkpoint, rng_state,
+from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run,
+                         latest_checkpoint, load_checkpoint, recover_output_dir, rng_state,
                          rotate_checkpoints, save_checkpoint)
 from .config import TrainConfig
 from .logging import RunLogger, plot_metrics
@@ -277,6 +278,8 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
     out = Path(config.output_dir)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        recover_output_dir(out)  # what a kill inside atomic_dir left, before anyone reads it
+    _barrier(info)
     records = load_records(config.train_data, config.train_split, config.num_hard_negatives)
     if config.eval_data:  # a bad evaluation set stops the run now, not after training
         check_beir_split(config.eval_data, config.eval_split, config.best_metric)
@@ -343,10 +346,15 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
                                 scheduler=scheduler, scaler=scaler, rank=info.rank)
         _check_resume_matches(ckpt, config, info, len(records), state.get("num_records"))
         state["num_records"] = len(records)
+        if info.is_main:  # later checkpoints of the timeline left behind would outrank ours
+            abandon_later_checkpoints(out, state["step"])
+        if (done := finished_run(out, state["step"], max_steps, announce=info.is_main)):
+            return {**done, "encoder": encoder}  # nothing left: no evaluation, no rewrite
     else:
         torch.manual_seed(config.seed + info.rank)  # each rank its own dropout stream
 
-    logger = RunLogger(out, enabled=info.is_main)
+    logger = RunLogger(out, enabled=info.is_main,  # a resume drops the rows it logs again
+                       resume_step=state["step"] if config.resume else None)
     if info.is_main:
         config.write(out / "config.yaml")
         n_train = sum(p.numel() for p in model_params)
