@@ -232,7 +232,7 @@ class GradCache:
         sync_gradients: under ``torch.distributed``, sum the gradients over ranks once per
             step (one coalesced all-reduce). Towers wrapped in DistributedDataParallel are
             called through their inner module, so DDP never synchronises on its own; FSDP2
-            (``fully_shard``) towers reduce-scatter once, on the last replay.
+            (``fully_shard``) towers reduce-scatter once, on the last replay that reaches them.
         params: the parameters to synchronise, when a tower is a plain function whose
             parameters the engine cannot find (default: the towers' and the loss's).
 
@@ -530,9 +530,10 @@ class GradCache:
             if run.kept is not None:  # before every replay: frees the kept graph first, so
                 jobs.insert(0, (run, None, grads[-1]))  # one chunk's activations at a time
             jobs.extend((run, c, grads[c]) for c in range(len(run.contexts)))
+        sync_at = self._fsdp_sync_points(jobs, fsdp)
         for j, (run, c, g) in enumerate(jobs):
-            if fsdp and j == len(jobs) - 1:
-                self._set_fsdp_sync(fsdp, True)  # reduce-scatter on the last backward only
+            if j in sync_at:  # reduce-scatter on each FSDP module's last backward only
+                self._set_fsdp_sync(sync_at[j], True)
             if c is None:
                 _surrogate_backward(run.kept, g)
                 run.kept = None
@@ -604,6 +605,26 @@ class GradCache:
                     if D.is_fsdp(m):
                         seen.setdefault(id(m), m)
         return list(seen.values())
+
+    def _fsdp_sync_points(self, jobs: list[tuple[_TowerRun, int | None, Tensor]],
+                          fsdp: list[nn.Module]) -> dict[int, list[nn.Module]]:
+        """For each replay job, the FSDP modules whose gradient sync must be turned on just
+        before it: each module's last job whose tower contains it.
+
+        A module's reduce-scatter happens in the backward of its own root; separate towers
+        (separate FSDP roots) therefore each need sync on before their own last job, not only
+        before the last job of the step (whose backward never reaches the other towers)."""
+        last: dict[int, int] = {}
+        for j, (run, _, _) in enumerate(jobs):
+            tower = D.unwrap_ddp(self.towers[run.name])
+            if isinstance(tower, nn.Module):
+                for m in tower.modules():
+                    last[id(m)] = j
+        points: dict[int, list[nn.Module]] = {}
+        for m in fsdp:
+            if id(m) in last:
+                points.setdefault(last[id(m)], []).append(m)
+        return points
 
     @staticmethod
     def _set_fsdp_sync(fsdp: list[nn.Module], on: bool) -> None:

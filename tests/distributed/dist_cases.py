@@ -205,22 +205,24 @@ def run_engine_case(*, k=0, sizes=(4, 4), symmetric=False, learnable=True, share
     return res
 
 
-def fsdp_reference(k, sizes, subsets=False):
+def fsdp_reference(k, sizes, subsets=False, shared=True):
     """Reference gradients for the FSDP case, computed without FSDP in this process."""
     world = len(sizes)
     torch.manual_seed(0)
-    model = TwoPath().to(DT) if subsets else TokenTower(p=0.1).to(DT)
+    q_model = TwoPath().to(DT) if subsets else TokenTower(p=0.1).to(DT)
+    d_model = q_model if shared else TokenTower(p=0.1).to(DT)
+    modules = [q_model] if q_model is d_model else [q_model, d_model]
     extra = ({"kind": "text"}, {"kind": "image"}) if subsets else ({}, {})
     loss_fn = bb.InfoNCE(temperature=0.1).to(DT)
     batches = global_batch(sizes, k)
     ref_q, ref_d = [], []
     for r in range(world):
         torch.manual_seed(100 + r)
-        ref_q += [model(**c, **extra[0]) for c in trimmed_chunks(batches[r][0], CHUNK)]
-        ref_d += [model(**c, **extra[1]) for c in trimmed_chunks(batches[r][1], CHUNK)]
+        ref_q += [q_model(**c, **extra[0]) for c in trimmed_chunks(batches[r][0], CHUNK)]
+        ref_d += [d_model(**c, **extra[1]) for c in trimmed_chunks(batches[r][1], CHUNK)]
     loss, _ = loss_fn(query=torch.cat(ref_q), doc=torch.cat(ref_d))
     loss.backward()
-    return grads_of(model, loss_fn), loss.item()
+    return grads_of(*modules, loss_fn), loss.item()
 
 
 def case_gather_with_grad():
@@ -302,6 +304,7 @@ CASES = {
     "no_cross_device_k1": lambda: run_engine_case(k=1, cross_device=False),
     "fsdp_k1": lambda: run_engine_case(k=1, fsdp=True),
     "fsdp_subsets_k1": lambda: run_engine_case(k=1, fsdp=True, subsets=True),
+    "fsdp_separate_k1": lambda: run_engine_case(k=1, fsdp=True, shared=False),
     "gather_with_grad": case_gather_with_grad,
     "shape_disagreement": case_shape_disagreement,
     "non_finite_one_rank": case_non_finite_on_one_rank,

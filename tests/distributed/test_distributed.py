@@ -64,9 +64,13 @@ def test_metrics_are_global_and_identical(results):
     assert accs[0] == accs[1]
 
 
-@pytest.mark.parametrize("case,subsets", [("fsdp_k1", False), ("fsdp_subsets_k1", True)])
-def test_fsdp2_fully_shard_matches_reference(results, case, subsets):
-    ref, ref_loss = dist_cases.fsdp_reference(k=1, sizes=(4, 4), subsets=subsets)
+@pytest.mark.parametrize("case,subsets,shared", [("fsdp_k1", False, True),
+                                                 ("fsdp_subsets_k1", True, True),
+                                                 ("fsdp_separate_k1", False, False)])
+def test_fsdp2_fully_shard_matches_reference(results, case, subsets, shared):
+    # separate query and doc models are separate FSDP roots: each must reduce-scatter on
+    # its own last replay (the query model's grads were never reduced, and stayed None)
+    ref, ref_loss = dist_cases.fsdp_reference(k=1, sizes=(4, 4), subsets=subsets, shared=shared)
     for rank, r in enumerate(results):
         res = r[case]
         # one reduce-scatter per FSDP module: only on the last replay, not per chunk
