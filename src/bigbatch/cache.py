@@ -4,7 +4,8 @@ batch while only one chunk's activations are alive at a time.
 For every step the engine:
 
 1. embeds each chunk of each tower with gradients off, recording the random state
-   of the chunk (:class:`bigbatch.rng.RandContext`) so dropout can be replayed;
+   of the chunk (:class:`bigbatch.rng.RandContext`) before it is collated, so that
+   dropout and a random ``collate_fn`` (augmentation) can be replayed;
 2. computes the loss on all cached embeddings (detached leaves) and backpropagates
    to them, which yields ``dL/d(embedding)`` for every example (and the gradient of
    the loss's own parameters, such as a learnable temperature);
@@ -203,7 +204,9 @@ class GradCache:
             a ``"loss"`` key. Any loss works, not only InfoNCE.
         chunk_size: rows per chunk, one int for all towers or ``{name: int}``.
         collate_fn: for towers fed lists of raw examples: a callable (all towers) or
-            ``{name: callable}`` that turns a list of examples into a tensor or dict.
+            ``{name: callable}`` that turns a list of examples into a tensor or dict. It runs
+            under the chunk's recorded random state, so random augmentation in it draws the
+            same numbers when the chunk is replayed.
         device: if given, each chunk is moved there just before its tower runs, so a batch
             far larger than accelerator memory can be held on the host.
         autocast_dtype: run the towers under ``torch.autocast`` with this dtype
@@ -470,12 +473,16 @@ class GradCache:
         last_trainable = max((i for i, r in enumerate(runs) if r.trainable), default=None)
         for i, run in enumerate(runs):
             outs = []
-            for c, chunk in enumerate(run.chunks):
-                chunk = _to_device(_materialize(chunk), self.device)
+            for c, planned in enumerate(run.chunks):
                 keep = (self.reuse_last_chunk and i == last_trainable
                         and c == len(run.chunks) - 1)
-                if run.trainable and not keep:
-                    run.contexts.append(RandContext(chunk))
+                ctx = None
+                if run.trainable and not keep:  # before collating: a random collate_fn
+                    ctx = RandContext(planned, devices=[self.device] if self.device else [])
+                chunk = _to_device(_materialize(planned), self.device)  # is replayed too
+                if ctx is not None:
+                    ctx.include(chunk)  # a device only the collated chunk reveals
+                    run.contexts.append(ctx)
                 with torch.set_grad_enabled(keep), self._autocast(_first_device(chunk)):
                     emb = self._checked(run.name, c, self.embed(run.name, chunk), run.rows[c])
                 if keep:
@@ -538,9 +545,10 @@ class GradCache:
                 _surrogate_backward(run.kept, g)
                 run.kept = None
                 continue
-            chunk = _to_device(_materialize(run.chunks[c]), self.device)
-            with run.contexts[c], self._autocast(_first_device(chunk)):
-                emb = self.embed(run.name, chunk)
+            with run.contexts[c]:  # the collate_fn's random draws are replayed as well
+                chunk = _to_device(_materialize(run.chunks[c]), self.device)
+                with self._autocast(_first_device(chunk)):
+                    emb = self.embed(run.name, chunk)
             _surrogate_backward(emb, g)
 
     # ------------------------------------------------------------ distributed

@@ -257,6 +257,33 @@ def test_raw_examples_with_collate_fn():
     assert max_rel_err(got, grads_of(tower, loss_fn)) <= TOL
 
 
+@pytest.mark.parametrize("reuse_last_chunk", [True, False])
+def test_random_collate_fn_is_replayed_with_its_first_pass_inputs(reuse_last_chunk):
+    """A collate_fn that augments at random (noise here; a random crop or token masking
+    alike) must draw the same numbers when its chunk is replayed: the gradient is that of
+    the loss on the inputs the cached embeddings came from (dropout on as well)."""
+    tower = DenseTower(inp=4, p=0.2).to(DT)
+    loss_fn = bb.InfoNCE().to(DT)
+    raw = {"query": [[float(i), 1.0, -float(i), 0.5] for i in range(5)],
+           "doc": [[0.3 * i, -1.0, float(i % 3), 2.0] for i in range(10)]}
+
+    def collate(rows):
+        x = torch.tensor(rows, dtype=DT)
+        return x + 0.5 * torch.randn_like(x)
+
+    zero_grads(tower, loss_fn)
+    torch.manual_seed(7)
+    bb.GradCache({"query": tower, "doc": tower}, loss_fn, chunk_size=3, collate_fn=collate,
+                 reuse_last_chunk=reuse_last_chunk).step(**raw)
+    got = grads_of(tower, loss_fn)
+    zero_grads(tower, loss_fn)
+    torch.manual_seed(7)  # the first pass's draws, in its order: per chunk, collate then forward
+    reps = {name: torch.cat([tower(collate(rows[lo:lo + 3])) for lo in range(0, len(rows), 3)])
+            for name, rows in raw.items()}
+    loss_fn(**reps).loss.backward()
+    assert max_rel_err(got, grads_of(tower, loss_fn)) <= TOL
+
+
 def test_any_loss_user_triplet_loss():
     q_tower, d_tower = DenseTower().to(DT), DenseTower().to(DT)
 
