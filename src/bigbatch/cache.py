@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -415,9 +416,9 @@ class GradCache:
                              f"of {rows} rows; expected ({rows}, dim)")
         return emb
 
-    def _plan(self, name: str, inputs: Any) -> _TowerRun:
+    def _plan(self, name: str, inputs: Any, allow_empty: bool = False) -> _TowerRun:
         n = _rows_of(inputs, name)
-        if n == 0:
+        if n == 0 and not allow_empty:  # distributed: the ranks agree on it, all raise
             raise InputError(f"input for tower {name!r} has no rows")
         order = self._length_order(name, inputs, n)
         if order is not None:
@@ -434,11 +435,42 @@ class GradCache:
         the loss (e.g. ``doc_ids``). Returns a :class:`StepResult`.
 
         Raises:
-            InputError: a tower's input is missing, or an argument is neither a tower nor
-                accepted by the loss.
+            InputError: a tower's input is missing or empty, or an argument is neither a
+                tower nor accepted by the loss.
             ShapeError: a tower output is not ``(rows, dim)``.
             NonFiniteError: NaN/inf in an embedding or in the loss (nothing written yet).
+
+        Under ``torch.distributed``, an error that one rank's inputs cause before the first
+        collective is raised on every rank (the same class, naming the rank).
         """
+        group = self.process_group
+        distributed = D.is_distributed(group)
+        runs: list[_TowerRun] = []
+        loss_kwargs: dict[str, Any] = {}
+        failure: Exception | None = None
+        try:
+            loss_kwargs = self._check_arguments(inputs)
+            runs = [self._plan(name, inputs[name], distributed) for name in self.towers]
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree_on_sizes
+            if not distributed:
+                raise
+            failure = e
+        fsdp = self._fsdp_modules()
+        counts = self._agree_on_sizes(runs, loss_kwargs, failure) if distributed else None
+        with self._no_sync(fsdp):
+            self._embed_all(runs)
+            if distributed:
+                self._agree_after_embedding(runs)
+            loss, total, metrics = self._loss_and_backward(runs, loss_kwargs, counts)
+            self._replay_all(runs, fsdp)
+        if distributed and self.sync_gradients:
+            self.last_sync_calls = D.all_reduce_gradients(self._sync_params(), group)
+        return StepResult(total, {k: v.detach() if isinstance(v, Tensor) else
+                                  torch.as_tensor(v) for k, v in metrics.items()})
+
+    def _check_arguments(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Check that every tower has an input and every other argument is the loss's;
+        return the loss's keyword arguments."""
         missing = [n for n in self.towers if n not in inputs]
         if missing:
             raise InputError(f"step() is missing input(s) for tower(s) {missing}; towers are "
@@ -450,22 +482,7 @@ class GradCache:
                 raise InputError(f"step() got argument(s) {extra} that are neither towers "
                                  f"{list(self.towers)} nor arguments of the loss "
                                  f"{sorted(self._loss_names - set(self.towers))}")
-
-        runs = [self._plan(name, inputs[name]) for name in self.towers]
-        group = self.process_group
-        distributed = D.is_distributed(group)
-        fsdp = self._fsdp_modules()
-        counts = self._agree_on_sizes(runs) if distributed else None
-        with self._no_sync(fsdp):
-            self._embed_all(runs)
-            if distributed:
-                self._agree_after_embedding(runs)
-            loss, total, metrics = self._loss_and_backward(runs, loss_kwargs, counts)
-            self._replay_all(runs, fsdp)
-        if distributed and self.sync_gradients:
-            self.last_sync_calls = D.all_reduce_gradients(self._sync_params(), group)
-        return StepResult(total, {k: v.detach() if isinstance(v, Tensor) else
-                                  torch.as_tensor(v) for k, v in metrics.items()})
+        return loss_kwargs
 
     # ------------------------------------------------------------ step stages
     def _embed_all(self, runs: list[_TowerRun]) -> None:
@@ -552,13 +569,26 @@ class GradCache:
             _surrogate_backward(emb, g)
 
     # ------------------------------------------------------------ distributed
-    def _agree_on_sizes(self, runs: list[_TowerRun]) -> dict[str, list[int]]:
-        """Exchange rows and chunk counts per tower; every rank raises the same error."""
-        names = [r.name for r in runs]
-        table = D._exchange_ints([sum(r.rows) for r in runs] + [len(r.chunks) for r in runs],
-                                 self.process_group)
-        rows = table[:, : len(runs)]
-        chunks = table[:, len(runs):]
+    def _agree_on_sizes(self, runs: list[_TowerRun], loss_kwargs: dict[str, Any],
+                        failure: Exception | None) -> dict[str, list[int]]:
+        """Exchange, in one all-gather, whether this rank's inputs failed their checks
+        (``failure``), the names of the loss's arguments, and rows and chunk counts per
+        tower; every rank raises the same error."""
+        import torch.distributed as dist
+
+        names = list(self.towers)
+        sizes = ([sum(r.rows) for r in runs] + [len(r.chunks) for r in runs]
+                 if failure is None else [0] * (2 * len(names)))
+        kwargs_key = zlib.crc32("\0".join(sorted(loss_kwargs)).encode())
+        table = D.raise_together(failure, self.process_group, [kwargs_key, *sizes])
+        protocol = self.cross_device and hasattr(self.loss_fn, "cross_device_forward")
+        if protocol and len(set(table[:, 0].tolist())) > 1:  # its collectives would not match
+            every: list[Any] = [None] * table.shape[0]
+            dist.all_gather_object(every, sorted(loss_kwargs), group=self.process_group)
+            raise InputError(f"the ranks passed different loss arguments to step() (per rank: "
+                             f"{every}); every rank must pass the same ones")
+        rows = table[:, 1: 1 + len(names)]
+        chunks = table[:, 1 + len(names):]
         counts = {n: rows[:, i].tolist() for i, n in enumerate(names)}
         empty = [(r, n) for n in names for r, v in enumerate(counts[n]) if v == 0]
         if empty:

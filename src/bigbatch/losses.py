@@ -355,15 +355,27 @@ class InfoNCE(nn.Module):
         ids_all = None
         if doc_ids is not None:
             local_n = nd[gathered.rank]
-            if isinstance(doc_ids, Tensor):
-                local = _ids_tensor(doc_ids, local_n, dev, "doc_ids")
+            local: Tensor | list = []
+            failure = None
+            try:  # checked on every rank before the gather, so that all ranks raise together
+                if isinstance(doc_ids, Tensor):
+                    local = _ids_tensor(doc_ids, local_n, dev, "doc_ids")
+                else:
+                    local = list(doc_ids)
+                    if len(local) != local_n:
+                        raise ShapeError(f"doc_ids has {len(local)} entries but there are "
+                                         f"{local_n} documents; give one id per document")
+            except ShapeError as e:
+                failure = e
+            kinds = gathered.raise_together(failure, [int(isinstance(local, Tensor))])
+            if len(set(kinds[:, 0].tolist())) > 1:
+                raise ShapeError(f"doc_ids is a tensor on rank(s) "
+                                 f"{[r for r, k in enumerate(kinds[:, 0].tolist()) if k]} and a "
+                                 f"list on the others; give the same kind on every rank")
+            if isinstance(local, Tensor):
                 ids_all = gathered.gather_values("doc", local)
             else:
-                values = list(doc_ids)
-                if len(values) != local_n:
-                    raise ShapeError(f"doc_ids has {len(values)} entries but this rank has "
-                                     f"{local_n} documents; give one id per document")
-                ids_all = _ids_tensor(gathered.gather_values("doc", values), sum(nd), dev,
+                ids_all = _ids_tensor(gathered.gather_values("doc", local), sum(nd), dev,
                                       "doc_ids")
         q_pos_all = torch.cat([d_off + torch.arange(b, device=dev) * group
                                for d_off, b in zip(gathered.offsets["doc"], bq)])

@@ -287,6 +287,55 @@ def case_ragged_chunks_refused_for_fsdp():
     return {"raised": None}
 
 
+ERROR_TIMEOUT_S = 15  # collective timeout of the error cases: a hang fails fast
+
+
+def _step_error(make_inputs, towers=None, **engine_kwargs):
+    """One step on every rank with this rank's ``make_inputs(rank)``; report the error it
+    raised, how long it took, and whether any gradient was written."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4).to(DT)
+    towers = towers(lin) if towers else {"query": lin, "doc": lin}
+    cache = bb.GradCache(towers, bb.InfoNCE().to(DT), chunk_size=2, **engine_kwargs)
+    t0 = time.monotonic()
+    try:
+        cache.step(**make_inputs(rank))
+        raised, message = None, ""
+    except Exception as e:  # noqa: BLE001 - the test checks which one
+        raised, message = type(e).__name__, str(e)
+    return {"raised": raised, "message": message, "seconds": time.monotonic() - t0,
+            "grads_written": any(p.grad is not None for p in lin.parameters())}
+
+
+def _rows(n):
+    return torch.randn(n, 4, dtype=DT)
+
+
+ERROR_CASES = {
+    "warm_up": lambda: {"barrier": dist.barrier() is None},  # the first collective connects
+    # rank 1's local batch is empty: rank 0 used to wait in the size exchange until timeout
+    "empty_rank": lambda: _step_error(
+        lambda r: {"query": _rows(3 if r == 0 else 0), "doc": _rows(3 if r == 0 else 0)}),
+    # rank 1 gives a wrong-length doc_ids: rank 0 used to wait in the ids' all-gather
+    "bad_doc_ids_one_rank": lambda: _step_error(
+        lambda r: {"query": _rows(3), "doc": _rows(3), "doc_ids": torch.arange(3 if r == 0 else 2)}),
+    "bad_doc_ids_list_one_rank": lambda: _step_error(
+        lambda r: {"query": _rows(3), "doc": _rows(3), "doc_ids": list("abc"[: 3 - r])}),
+    # rank 1's input dict is malformed (planning fails before the first collective)
+    "bad_input_one_rank": lambda: _step_error(
+        lambda r: {"query": _rows(3), "doc": {"x": _rows(3), "y": _rows(3 - r)}}),
+    # only rank 0 passes doc_ids: the loss's all-gather of ids would never be matched
+    "loss_args_differ": lambda: _step_error(
+        lambda r: {"query": _rows(3), "doc": _rows(3),
+                   **({"doc_ids": torch.arange(3)} if r == 0 else {})}),
+}
+
+
+def error_worker(rank, world, port, out_path):
+    run_cases(rank, world, port, out_path, ERROR_CASES, timeout_s=ERROR_TIMEOUT_S)
+
+
 CASES = {
     "plain_k0_shared": lambda: run_engine_case(k=0),
     "plain_k2_separate": lambda: run_engine_case(k=2, shared=False),

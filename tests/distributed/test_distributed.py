@@ -112,6 +112,31 @@ def test_fsdp_with_unequal_chunk_counts_is_refused(results):
         assert "same number of chunks" in res["message"] and "drop_last" in res["message"]
 
 
+@pytest.fixture(scope="module")
+def error_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist_errors") / "results.json"
+    return spawn_and_collect(dist_cases.error_worker, out)
+
+
+@pytest.mark.parametrize("case,error,text", [
+    ("empty_rank", "InputError", "rank 1 has no rows for tower 'query'"),
+    ("bad_doc_ids_one_rank", "ShapeError", "rank 1: doc_ids has 2 entries but there are 3"),
+    ("bad_doc_ids_list_one_rank", "ShapeError", "rank 1: doc_ids has 2 entries but there are 3"),
+    ("bad_input_one_rank", "InputError", "rank 1: input dict for tower 'doc' has tensors with "
+                                         "different batch sizes"),
+    ("loss_args_differ", "InputError", "different loss arguments"),
+])
+def test_an_error_on_one_rank_is_raised_on_every_rank(error_results, case, error, text):
+    """Every rank raises the same bigbatch error at once, before any gradient is written,
+    instead of the other ranks waiting in a collective until the timeout."""
+    for r in error_results:
+        res = r[case]
+        assert res["raised"] == error, res
+        assert text in res["message"], res
+        assert not res["grads_written"], res
+        assert res["seconds"] < dist_cases.ERROR_TIMEOUT_S, res  # not after a timeout
+
+
 def test_a_failing_rank_ends_the_other_with_an_error(tmp_path):
     out = tmp_path / "fail.json"
     t0 = time.monotonic()
