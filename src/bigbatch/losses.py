@@ -405,6 +405,10 @@ class CorpusInfoNCE(nn.Module):
         other_positives: optional ``(M, 2)`` pairs ``(query row, corpus row)`` of documents
             also relevant to that query: masked out of its negatives.
 
+    Under ``torch.distributed`` with the engine's default ``cross_device=True``, each rank
+    passes its own queries' ``positive_index`` (and ``other_positives``, local rows) and the
+    loss is that of the global batch (:meth:`cross_device_forward`).
+
     Example::
 
         loss_fn = CorpusInfoNCE(doc_emb)
@@ -434,8 +438,8 @@ class CorpusInfoNCE(nn.Module):
     def temperature(self) -> float:
         return self.logit_scale.temperature
 
-    def forward(self, query: Tensor, positive_index: Tensor | Sequence[int],
-                other_positives: Tensor | None = None) -> LossOutput:
+    def _target(self, query: Tensor, positive_index: Tensor | Sequence[int]) -> Tensor:
+        """Check the query embeddings and the positives; return the positives as a tensor."""
         if query.dim() != 2 or query.shape[1] != self.corpus.shape[1]:
             raise ShapeError(f"query must be (B, {self.corpus.shape[1]}), got "
                              f"{tuple(query.shape)}")
@@ -446,6 +450,12 @@ class CorpusInfoNCE(nn.Module):
         n = self.corpus.shape[0]
         if bool(((target < 0) | (target >= n)).any()):
             raise ShapeError(f"positive_index out of range for a corpus of {n} documents")
+        return target
+
+    def _sums(self, query: Tensor, target: Tensor,
+              other_positives: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Sum over ``query``'s rows of the cross-entropy, the detached metric sums
+        (positive similarity, correct, negative similarity, negatives, masked) and the scale."""
         corpus = self.corpus.to(device=query.device, dtype=query.dtype)
         sims = query @ corpus.T
         scale = self.logit_scale()
@@ -459,15 +469,52 @@ class CorpusInfoNCE(nn.Module):
                                       torch.tensor(float("-inf"), dtype=logits.dtype,
                                                    device=logits.device))
             masked = pairs.shape[0]
-        loss = nn.functional.cross_entropy(logits, target)
+        loss_sum = nn.functional.cross_entropy(logits, target, reduction="sum")
         with torch.no_grad():
             b = query.shape[0]
             pos = sims.gather(1, target[:, None]).squeeze(1)
             neg_mask = torch.isfinite(logits)
             neg_mask[torch.arange(b, device=query.device), target] = False
-            neg_sim = (sims * neg_mask).sum() / neg_mask.sum().clamp_min(1)
-            metrics = {"pos_sim": pos.mean(), "neg_sim": neg_sim, "margin": pos.mean() - neg_sim,
-                       "accuracy": (logits.argmax(1) == target).to(sims.dtype).mean(),
-                       "temperature": 1.0 / scale.detach(),
-                       "masked": torch.tensor(float(masked), device=query.device)}
-        return LossOutput(loss, {k: v.detach() for k, v in metrics.items()})
+            st = torch.stack([pos.sum(), (logits.argmax(1) == target).to(sims.dtype).sum(),
+                              (sims * neg_mask).sum(), neg_mask.sum().to(sims.dtype),
+                              torch.tensor(float(masked), dtype=sims.dtype, device=sims.device)])
+        return loss_sum, st, scale
+
+    @staticmethod
+    def _metrics(st: Tensor, scale: Tensor, b: int) -> dict[str, Tensor]:
+        pos_sum, correct, neg_sum, neg_n, masked = st.unbind()
+        pos_sim, neg_sim = pos_sum / b, neg_sum / neg_n.clamp_min(1)
+        metrics = {"pos_sim": pos_sim, "neg_sim": neg_sim, "margin": pos_sim - neg_sim,
+                   "accuracy": correct / b, "temperature": 1.0 / scale, "masked": masked}
+        return {k: v.detach() for k, v in metrics.items()}
+
+    def forward(self, query: Tensor, positive_index: Tensor | Sequence[int],
+                other_positives: Tensor | None = None) -> LossOutput:
+        target = self._target(query, positive_index)
+        loss_sum, st, scale = self._sums(query, target, other_positives)
+        b = query.shape[0]
+        return LossOutput(loss_sum / b, self._metrics(st, scale, b))
+
+    def cross_device_forward(self, gathered: "Gathered", positive_index: Tensor | Sequence[int],
+                             other_positives: Tensor | None = None) -> PartialLoss:
+        """This rank's part of the global-batch loss: its own queries (``positive_index`` and
+        ``other_positives`` are this rank's, with local query rows) against the corpus,
+        divided by the global query count, so that the parts of all ranks sum to the loss of
+        the concatenated batch. The total and the metrics are summed over ranks in one
+        all-reduce, so they are the global batch's, identical on every rank.
+
+        Raises:
+            ShapeError: on every rank, when ``positive_index`` is wrong on any rank.
+        """
+        query = gathered.reps["query"][gathered.local("query")]
+        target, failure = None, None
+        try:
+            target = self._target(query, positive_index)
+        except ShapeError as e:
+            failure = e
+        gathered.raise_together(failure)
+        b_total = sum(gathered.counts["query"])
+        loss_sum, st, scale = self._sums(query, target, other_positives)
+        part = loss_sum / b_total
+        summed = gathered.all_reduce_sum(torch.cat([part.detach().reshape(1), st.to(part.dtype)]))
+        return PartialLoss(part, summed[0], self._metrics(summed[1:], scale, b_total))

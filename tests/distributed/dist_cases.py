@@ -225,6 +225,42 @@ def fsdp_reference(k, sizes, subsets=False, shared=True):
     return grads_of(*modules, loss_fn), loss.item()
 
 
+def case_corpus_cross_device():
+    """CorpusInfoNCE under the default cross_device=True: each rank passes its own queries'
+    positive_index and other_positives (local rows); the result is the global batch's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TokenTower(p=0.1).to(DT)
+    corpus = nn.functional.normalize(torch.randn(10, 8, dtype=DT), dim=-1)
+    loss_fn = bb.CorpusInfoNCE(corpus, temperature=0.1).to(DT)
+    sizes = (4, 3)
+    queries = [q for q, _ in global_batch(sizes, 0)]
+    targets = [torch.tensor([0, 3, 5, 9]), torch.tensor([2, 3, 7])]
+    others = [torch.tensor([[0, 1], [2, 4]]), torch.tensor([[1, 8]])]  # (local row, corpus row)
+    cache = bb.GradCache({"query": model}, loss_fn, chunk_size=CHUNK)
+    zero(model, loss_fn)
+    torch.manual_seed(100 + rank)
+    result = cache.step(query=queries[rank], positive_index=targets[rank],
+                        other_positives=others[rank])
+    got = grads_of(model, loss_fn)
+    diff, _ = cross_rank_diff([model, loss_fn])
+    zero(model, loss_fn)
+    ref_q = []
+    for r in range(world):
+        torch.manual_seed(100 + r)
+        ref_q += [model(**c) for c in trimmed_chunks(queries[r], CHUNK)]
+    ref_others = torch.cat([others[0], others[1] + torch.tensor([sizes[0], 0])])
+    ref_loss, ref_metrics = loss_fn(torch.cat(ref_q), torch.cat(targets), ref_others)
+    ref_loss.backward()
+    ref = grads_of(model, loss_fn)
+    return {"rel_err": max_rel_err(got, ref), "cross_rank_diff": diff,
+            "loss_err": abs(result.loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+            "sync_calls": cache.last_sync_calls, "n_grads": len(ref),
+            "metrics_err": max(abs(result.metrics[k].item() - v.item())
+                               for k, v in ref_metrics.items()),
+            "metric_keys": sorted(result.metrics) == sorted(ref_metrics)}
+
+
 def case_gather_with_grad():
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.arange((rank + 2) * 3, dtype=DT).reshape(rank + 2, 3).requires_grad_()
@@ -290,14 +326,14 @@ def case_ragged_chunks_refused_for_fsdp():
 ERROR_TIMEOUT_S = 15  # collective timeout of the error cases: a hang fails fast
 
 
-def _step_error(make_inputs, towers=None, **engine_kwargs):
+def _step_error(make_inputs, towers=None, loss_fn=None, **engine_kwargs):
     """One step on every rank with this rank's ``make_inputs(rank)``; report the error it
     raised, how long it took, and whether any gradient was written."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     lin = nn.Linear(4, 4).to(DT)
     towers = towers(lin) if towers else {"query": lin, "doc": lin}
-    cache = bb.GradCache(towers, bb.InfoNCE().to(DT), chunk_size=2, **engine_kwargs)
+    cache = bb.GradCache(towers, loss_fn or bb.InfoNCE().to(DT), chunk_size=2, **engine_kwargs)
     t0 = time.monotonic()
     try:
         cache.step(**make_inputs(rank))
@@ -322,6 +358,11 @@ ERROR_CASES = {
         lambda r: {"query": _rows(3), "doc": _rows(3), "doc_ids": torch.arange(3 if r == 0 else 2)}),
     "bad_doc_ids_list_one_rank": lambda: _step_error(
         lambda r: {"query": _rows(3), "doc": _rows(3), "doc_ids": list("abc"[: 3 - r])}),
+    # CorpusInfoNCE under cross_device=True: rank 1's positive_index is one entry short
+    "bad_positive_index_one_rank": lambda: _step_error(
+        lambda r: {"query": _rows(3), "positive_index": torch.arange(3 - r)},
+        towers=lambda lin: {"query": lin},
+        loss_fn=bb.CorpusInfoNCE(torch.randn(5, 4, dtype=DT))),
     # rank 1's input dict is malformed (planning fails before the first collective)
     "bad_input_one_rank": lambda: _step_error(
         lambda r: {"query": _rows(3), "doc": {"x": _rows(3), "y": _rows(3 - r)}}),
@@ -354,6 +395,7 @@ CASES = {
     "fsdp_k1": lambda: run_engine_case(k=1, fsdp=True),
     "fsdp_subsets_k1": lambda: run_engine_case(k=1, fsdp=True, subsets=True),
     "fsdp_separate_k1": lambda: run_engine_case(k=1, fsdp=True, shared=False),
+    "corpus_cross_device": case_corpus_cross_device,
     "gather_with_grad": case_gather_with_grad,
     "shape_disagreement": case_shape_disagreement,
     "non_finite_one_rank": case_non_finite_on_one_rank,

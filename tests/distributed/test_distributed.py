@@ -33,7 +33,8 @@ def record(res):
 
 EXACT = ["plain_k0_shared", "plain_k2_separate", "symmetric_k2_ids", "symmetric_k0_streamed",
          "fixed_temperature_k2", "ddp_k2", "ddp_separate_k0_symmetric", "subsets_plain",
-         "subsets_ddp", "ragged_k1", "ragged_ddp_k2", "generic_loss_k1", "no_cross_device_k1"]
+         "subsets_ddp", "ragged_k1", "ragged_ddp_k2", "generic_loss_k1", "no_cross_device_k1",
+         "corpus_cross_device"]
 
 
 @pytest.mark.parametrize("case", EXACT)
@@ -57,6 +58,12 @@ def test_ddp_never_synchronises_on_its_own(results, case):
 def test_learnable_temperature_gradient_is_global(results):
     # the temperature's gradient is part of every comparison above; check it was there
     assert results[0]["plain_k0_shared"]["n_grads"] == results[0]["fixed_temperature_k2"]["n_grads"] + 1
+
+
+def test_corpus_loss_cross_device_metrics_are_the_global_batch_s(results):
+    for r in results:
+        assert r["corpus_cross_device"]["metric_keys"]
+        assert r["corpus_cross_device"]["metrics_err"] <= 1e-12
 
 
 def test_metrics_are_global_and_identical(results):
@@ -125,6 +132,8 @@ def error_results(tmp_path_factory):
     ("bad_input_one_rank", "InputError", "rank 1: input dict for tower 'doc' has tensors with "
                                          "different batch sizes"),
     ("loss_args_differ", "InputError", "different loss arguments"),
+    ("bad_positive_index_one_rank", "ShapeError", "rank 1: positive_index must have one entry "
+                                                  "per query (3)"),
 ])
 def test_an_error_on_one_rank_is_raised_on_every_rank(error_results, case, error, text):
     """Every rank raises the same bigbatch error at once, before any gradient is written,
