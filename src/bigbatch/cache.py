@@ -448,9 +448,12 @@ class GradCache:
         runs: list[_TowerRun] = []
         loss_kwargs: dict[str, Any] = {}
         failure: Exception | None = None
+        sync_params: list[nn.Parameter] = []
         try:
             loss_kwargs = self._check_arguments(inputs)
             runs = [self._plan(name, inputs[name], distributed) for name in self.towers]
+            if distributed and self.sync_gradients:  # a plain-function tower without params=
+                sync_params = self._sync_params()    # is refused before any gradient is written
         except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree_on_sizes
             if not distributed:
                 raise
@@ -464,7 +467,7 @@ class GradCache:
             loss, total, metrics = self._loss_and_backward(runs, loss_kwargs, counts)
             self._replay_all(runs, fsdp)
         if distributed and self.sync_gradients:
-            self.last_sync_calls = D.all_reduce_gradients(self._sync_params(), group)
+            self.last_sync_calls = D.all_reduce_gradients(sync_params, group)
         return StepResult(total, {k: v.detach() if isinstance(v, Tensor) else
                                   torch.as_tensor(v) for k, v in metrics.items()})
 

@@ -363,6 +363,10 @@ ERROR_CASES = {
         lambda r: {"query": _rows(3), "positive_index": torch.arange(3 - r)},
         towers=lambda lin: {"query": lin},
         loss_fn=bb.CorpusInfoNCE(torch.randn(5, 4, dtype=DT))),
+    # plain-function towers without params=: refused before any gradient is written
+    "plain_function_without_params": lambda: _step_error(
+        lambda r: {"query": _rows(3), "doc": _rows(3)},
+        towers=lambda lin: {"query": lambda x: lin(x), "doc": lambda x: lin(x)}),
     # rank 1's input dict is malformed (planning fails before the first collective)
     "bad_input_one_rank": lambda: _step_error(
         lambda r: {"query": _rows(3), "doc": {"x": _rows(3), "y": _rows(3 - r)}}),

@@ -132,6 +132,7 @@ def error_results(tmp_path_factory):
     ("bad_input_one_rank", "InputError", "rank 1: input dict for tower 'doc' has tensors with "
                                          "different batch sizes"),
     ("loss_args_differ", "InputError", "different loss arguments"),
+    ("plain_function_without_params", "ConfigError", "tower 'query' is a plain function"),
     ("bad_positive_index_one_rank", "ShapeError", "rank 1: positive_index must have one entry "
                                                   "per query (3)"),
 ])
