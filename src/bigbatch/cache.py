@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -217,7 +218,8 @@ class GradCache:
             ``scaler.step(optimizer)`` and ``scaler.update()`` as usual.
         sort_by_length: order examples by token count (``attention_mask``) before chunking,
             so chunks hold similar lengths; embeddings are put back in the original order
-            before the loss, so the result is that of the unordered run.
+            before the loss, so the result is that of the unordered run. Only with the
+            default :meth:`split_inputs` (an override defines its own layout).
         trim_padding: cut each chunk of tokenized inputs to its own longest row (columns
             that are padding in every row of the chunk are dropped; both padding sides).
             Right padding is always exact. Dropping leading (left-padding) columns shifts
@@ -324,6 +326,11 @@ class GradCache:
         Tokenized dicts (with ``attention_mask``) are trimmed to each chunk's longest row.
         Lists of raw examples are split; each piece is collated with the tower's
         ``collate_fn`` when it is embedded and again when it is replayed, never all at once.
+
+        Override it for layouts whose first dimension is not the batch (e.g. a
+        vision-language processor's patches of all images concatenated): the engine takes
+        the tower's row count from the returned ``rows`` (one positive int per chunk; the
+        tower must return that many embeddings for the chunk) and never inspects the inputs.
         """
         n = _rows_of(inputs, name)
         bounds = [(lo, min(lo + chunk_size, n)) for lo in range(0, n, chunk_size)]
@@ -393,8 +400,6 @@ class GradCache:
                 and v.shape[1] == t else v for k, v in chunk.items()}
 
     def _length_order(self, name: str, inputs: Any, n: int) -> Tensor | None:
-        if not self.sort_by_length:
-            return None
         if isinstance(inputs, Mapping) and isinstance(inputs.get("attention_mask"), Tensor):
             lengths = (inputs["attention_mask"] != 0).sum(1)
             return torch.argsort(lengths.cpu(), descending=True, stable=True)
@@ -417,13 +422,27 @@ class GradCache:
         return emb
 
     def _plan(self, name: str, inputs: Any, allow_empty: bool = False) -> _TowerRun:
-        n = _rows_of(inputs, name)
-        if n == 0 and not allow_empty:  # distributed: the ranks agree on it, all raise
-            raise InputError(f"input for tower {name!r} has no rows")
-        order = self._length_order(name, inputs, n)
-        if order is not None:
-            inputs = _index_rows(inputs, order, n)
+        """Chunk one tower's inputs. The row count is what :meth:`split_inputs` says, so an
+        override handles layouts whose first dimension is not the batch; length ordering
+        needs the default layout and is skipped for an override."""
+        order = None
+        if self.sort_by_length and type(self).split_inputs is GradCache.split_inputs:
+            n = _rows_of(inputs, name)
+            order = self._length_order(name, inputs, n)
+            if order is not None:
+                inputs = _index_rows(inputs, order, n)
         chunks, rows = self.split_inputs(name, inputs, self.chunk_sizes[name])
+        chunks, given = list(chunks), list(rows)
+        try:
+            rows = [operator.index(r) for r in given]
+        except TypeError:
+            rows = []
+        if len(rows) != len(given) or len(chunks) != len(rows) or not all(r > 0 for r in rows):
+            raise InputError(f"split_inputs for tower {name!r} must return (chunks, rows) with "
+                             f"one positive integer row count per chunk, got {len(chunks)} "
+                             f"chunks and rows {given}")
+        if not rows and not allow_empty:  # distributed: the ranks agree on it, all raise
+            raise InputError(f"input for tower {name!r} has no rows")
         return _TowerRun(name, _is_trainable(D.unwrap_ddp(self.towers[name])), chunks, rows,
                          order)
 

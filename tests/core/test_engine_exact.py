@@ -284,6 +284,74 @@ def test_random_collate_fn_is_replayed_with_its_first_pass_inputs(reuse_last_chu
     assert max_rel_err(got, grads_of(tower, loss_fn)) <= TOL
 
 
+class PatchTower(nn.Module):
+    """Rows of features plus a varying number of 'patches' per row, all rows' patches
+    concatenated on dim 0 (as a vision-language processor's pixel values): the inputs'
+    first dimensions are not the batch."""
+
+    def __init__(self, p: float = 0.2) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, feats, patches, patches_per_row):
+        pooled = torch.stack([x.mean(0) for x in patches.split(patches_per_row.tolist())])
+        return nn.functional.normalize(self.lin(self.drop(feats + pooled)), dim=-1)
+
+
+class PatchCache(bb.GradCache):
+    """The documented extension point: split_inputs for the patch layout."""
+
+    def split_inputs(self, name, inputs, chunk_size):
+        n = inputs["feats"].shape[0]
+        starts = [0, *inputs["patches_per_row"].cumsum(0).tolist()]
+        chunks, rows = [], []
+        for lo in range(0, n, chunk_size):
+            hi = min(lo + chunk_size, n)
+            chunks.append({"feats": inputs["feats"][lo:hi],
+                           "patches": inputs["patches"][starts[lo]:starts[hi]],
+                           "patches_per_row": inputs["patches_per_row"][lo:hi]})
+            rows.append(hi - lo)
+        return chunks, rows
+
+
+def patch_batch(n):
+    per = torch.randint(1, 4, (n,))
+    return {"feats": torch.randn(n, 4, dtype=DT), "patches": torch.randn(int(per.sum()), 4, dtype=DT),
+            "patches_per_row": per}
+
+
+@pytest.mark.parametrize("sort_by_length", [False, True])
+def test_split_inputs_override_for_a_layout_whose_first_dimension_is_not_the_batch(sort_by_length):
+    tower = PatchTower().to(DT)
+    loss_fn = bb.InfoNCE().to(DT)
+    inputs = {"query": patch_batch(5), "doc": patch_batch(10)}
+    cache = PatchCache({"query": tower, "doc": tower}, loss_fn, chunk_size=2,
+                       sort_by_length=sort_by_length)
+    zero_grads(tower, loss_fn)
+    torch.manual_seed(3)
+    result = cache.step(**inputs)
+    got = grads_of(tower, loss_fn)
+    zero_grads(tower, loss_fn)
+    torch.manual_seed(3)  # the engine's chunks in its order: the same dropout masks
+    chunked = {n: cache.split_inputs(n, x, 2)[0] for n, x in inputs.items()}
+    ref_loss = reference_step({"query": tower, "doc": tower}, loss_fn, inputs, chunked=chunked)
+    assert max_rel_err(got, grads_of(tower, loss_fn)) <= TOL
+    assert torch.allclose(result.loss, ref_loss, rtol=1e-12, atol=0)
+
+
+def test_split_inputs_override_must_return_one_row_count_per_chunk():
+    class Bad(bb.GradCache):
+        def split_inputs(self, name, inputs, chunk_size):
+            return [inputs[:2], inputs[2:]], [2]
+
+    lin = nn.Linear(4, 4).to(DT)
+    with pytest.raises(bb.errors.InputError, match="one positive integer row count per chunk"):
+        Bad({"query": lin, "doc": lin}, bb.InfoNCE(), chunk_size=2).step(
+            query=torch.randn(4, 4, dtype=DT), doc=torch.randn(4, 4, dtype=DT))
+    assert lin.weight.grad is None
+
+
 def test_any_loss_user_triplet_loss():
     q_tower, d_tower = DenseTower().to(DT), DenseTower().to(DT)
 
