@@ -62,13 +62,18 @@ class LogitScale(nn.Module):
 
     Args:
         temperature: initial temperature; ``log_scale`` starts at ``ln(1/temperature)``.
-        max_scale: ``clamp_()`` keeps ``log_scale`` in ``[0, ln(max_scale)]``, i.e. the
-            temperature in ``[1/max_scale, 1]``.
+        max_scale: ``clamp_()`` keeps a learnable ``log_scale`` in ``[0, ln(max_scale)]``,
+            i.e. the temperature in ``[1/max_scale, 1]``.
         learnable: a trainable parameter when True, a buffer (saved, not trained) when False.
+            A fixed temperature may be any positive value and ``clamp_()`` leaves it alone.
 
     The forward pass does not clamp (a clamp there would give zero gradient at the
     bound and the scale could never come back); call :meth:`clamp_` after each
     optimizer step, as OpenCLIP and contrastors do.
+
+    Raises:
+        ConfigError: temperature <= 0, max_scale < 1, or a learnable temperature outside
+            ``[1/max_scale, 1]`` (``clamp_()`` would move it after the first step).
     """
 
     def __init__(self, temperature: float = 0.07, max_scale: float = 100.0,
@@ -79,7 +84,14 @@ class LogitScale(nn.Module):
         if not max_scale >= 1:
             raise ConfigError(f"max_scale must be >= 1, got {max_scale!r}")
         self.max_scale = float(max_scale)
-        init = torch.tensor(math.log(1.0 / temperature), dtype=torch.float32)
+        log_scale = math.log(1.0 / temperature)
+        if learnable and not -1e-12 <= log_scale <= math.log(self.max_scale) + 1e-12:
+            raise ConfigError(
+                f"a learnable temperature must lie in [1/max_scale, 1] = [{1 / self.max_scale:g}, 1] "
+                f"(clamp_() keeps it there), got {temperature!r}; "
+                + (f"raise max_scale to at least {1 / temperature:g}" if temperature < 1 else
+                   "give a temperature of at most 1") + " or make the temperature fixed")
+        init = torch.tensor(log_scale, dtype=torch.float32)
         if learnable:
             self.log_scale = nn.Parameter(init)
         else:
@@ -90,8 +102,10 @@ class LogitScale(nn.Module):
 
     @torch.no_grad()
     def clamp_(self) -> "LogitScale":
-        """Clamp ``log_scale`` into ``[0, ln(max_scale)]`` in place; call after ``optimizer.step()``."""
-        self.log_scale.clamp_(0.0, math.log(self.max_scale))
+        """Clamp a learnable ``log_scale`` into ``[0, ln(max_scale)]`` in place; call after
+        ``optimizer.step()``. A fixed temperature is left as it was given."""
+        if isinstance(self.log_scale, nn.Parameter):
+            self.log_scale.clamp_(0.0, math.log(self.max_scale))
         return self
 
     @property
