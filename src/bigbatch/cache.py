@@ -70,11 +70,17 @@ class StepResult:
 
     Attributes:
         loss: the detached full-batch loss (unscaled, even with a GradScaler).
-        metrics: the loss's detached metrics (0-d tensors), e.g. ``pos_sim``, ``accuracy``.
+        metrics: the loss's detached metrics (0-d tensors), e.g. ``pos_sim``, ``accuracy``;
+            a metric given as a plain number becomes a tensor on the loss's device.
     """
 
     loss: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        dev = self.loss.device
+        self.metrics = {k: v.detach() if isinstance(v, Tensor) else torch.as_tensor(v, device=dev)
+                        for k, v in self.metrics.items()}
 
     def to_dict(self) -> dict[str, float]:
         """Loss and metrics as Python floats, with one host-device synchronisation."""
@@ -487,8 +493,7 @@ class GradCache:
             self._replay_all(runs, fsdp)
         if distributed and self.sync_gradients:
             self.last_sync_calls = D.all_reduce_gradients(sync_params, group)
-        return StepResult(total, {k: v.detach() if isinstance(v, Tensor) else
-                                  torch.as_tensor(v) for k, v in metrics.items()})
+        return StepResult(total, metrics)
 
     def _check_arguments(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """Check that every tower has an input and every other argument is the loss's;

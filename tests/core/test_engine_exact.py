@@ -383,3 +383,16 @@ def test_gradients_accumulate_onto_existing_grad():
     cache.step(**inputs)
     twice = grads_of(tower)
     assert max_rel_err(twice, {k: 2 * v for k, v in once.items()}) <= 1e-12
+
+
+def test_plain_number_metrics_become_tensors_on_the_loss_device():
+    """A loss may report plain numbers as metrics; they must live where the loss lives, or
+    to_dict()'s stack fails on an accelerator ('meta' stands in for CUDA here)."""
+    res = bb.StepResult(torch.tensor(1.0, device="meta"), {"n": 3, "acc": 0.5})
+    assert [v.device.type for v in res.metrics.values()] == ["meta", "meta"]
+    torch.stack([res.loss.float(), *(v.float() for v in res.metrics.values())])  # as to_dict
+    lin = nn.Linear(4, 4).to(DT)
+    cache = bb.GradCache({"query": lin}, lambda query: {"loss": query.pow(2).mean(), "n": 3,
+                                                        "acc": 0.5}, chunk_size=2)
+    out = cache.step(query=torch.randn(3, 4, dtype=DT)).to_dict()
+    assert out["n"] == 3 and out["acc"] == 0.5
