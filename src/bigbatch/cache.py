@@ -466,7 +466,8 @@ class GradCache:
             NonFiniteError: NaN/inf in an embedding or in the loss (nothing written yet).
 
         Under ``torch.distributed``, an error that one rank's inputs cause before the first
-        collective is raised on every rank (the same class, naming the rank).
+        collective is raised on every rank (the same class, naming the rank). The step runs
+        with gradients enabled even when called under ``torch.no_grad()``.
         """
         group = self.process_group
         distributed = D.is_distributed(group)
@@ -485,7 +486,7 @@ class GradCache:
             failure = e
         fsdp = self._fsdp_modules()
         counts = self._agree_on_sizes(runs, loss_kwargs, failure) if distributed else None
-        with self._no_sync(fsdp):
+        with self._no_sync(fsdp), torch.enable_grad():  # also when called under no_grad()
             self._embed_all(runs)
             if distributed:
                 self._agree_after_embedding(runs)

@@ -10,7 +10,7 @@ from torch import nn
 
 import bigbatch as bb
 from helpers import (DT, DenseTower, TokenTower, grads_of, max_rel_err, reference_step,
-                     token_batch, zero_grads)
+                     token_batch, trimmed_chunks, zero_grads)
 
 B = 6
 TOL = 1e-10
@@ -396,3 +396,21 @@ def test_plain_number_metrics_become_tensors_on_the_loss_device():
                                                         "acc": 0.5}, chunk_size=2)
     out = cache.step(query=torch.randn(3, 4, dtype=DT)).to_dict()
     assert out["n"] == 3 and out["acc"] == 0.5
+
+
+def test_step_under_no_grad_still_writes_the_full_batch_gradient():
+    """step() called from code running under torch.no_grad() (an evaluation helper)."""
+    q_tower, d_tower = make_towers(shared=False, p=0.1)
+    loss_fn = bb.InfoNCE(temperature=0.1).to(DT)
+    inputs = {"query": token_batch(B), "doc": token_batch(B)}
+    zero_grads(q_tower, d_tower, loss_fn)
+    torch.manual_seed(9)
+    with torch.no_grad():
+        bb.GradCache({"query": q_tower, "doc": d_tower}, loss_fn, chunk_size=4).step(**inputs)
+        assert not torch.is_grad_enabled()
+    got = grads_of(q_tower, d_tower, loss_fn)
+    zero_grads(q_tower, d_tower, loss_fn)
+    torch.manual_seed(9)  # the engine's chunks in its order: the same dropout masks
+    reference_step({"query": q_tower, "doc": d_tower}, loss_fn, inputs,
+                   chunked={n: trimmed_chunks(x, 4) for n, x in inputs.items()})
+    assert max_rel_err(got, grads_of(q_tower, d_tower, loss_fn)) <= TOL
