@@ -625,7 +625,8 @@ class GradCache:
         if self._fsdp_modules() and not bool((chunks == chunks[0]).all()):
             raise ConfigError(f"FSDP towers need the same number of chunks on every rank (their "
                               f"forward passes are collective), got {chunks.tolist()} per rank; "
-                              f"use equal local batches (drop_last=True) or cross_device=False")
+                              f"use equal local batches (drop_last=True) and the same chunk "
+                              f"size on every rank")
         return counts
 
     def _agree_after_embedding(self, runs: list[_TowerRun]) -> None:
