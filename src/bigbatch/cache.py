@@ -707,6 +707,7 @@ class GradCache:
             for tower in {id(t): t for t in self.towers.values()}.values():
                 if isinstance(tower, DistributedDataParallel):
                     stack.enter_context(tower.no_sync())
+            factors = [(m, self._divide_factor(m)) for m in fsdp]
             for m in fsdp:
                 m.set_gradient_divide_factor(1.0)  # the loss is already global: sum, not mean
             self._set_fsdp_sync(fsdp, False)
@@ -714,6 +715,19 @@ class GradCache:
                 yield
             finally:
                 self._set_fsdp_sync(fsdp, True)
+                for m, factor in factors:  # FSDP used outside the engine averages again
+                    m.set_gradient_divide_factor(factor)
+
+    @staticmethod
+    def _divide_factor(module: nn.Module) -> float | None:
+        """An FSDP2 module's gradient divide factor (None: FSDP's default, the world size).
+        FSDP2 has a setter but no getter; it keeps the factor on each parameter group."""
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # older torch: one group per module
+            groups = [getattr(state, "_fsdp_param_group", None)]
+        groups = [g for g in groups if g is not None]
+        return getattr(groups[0], "gradient_divide_factor", None) if groups else None
 
     def _sync_params(self) -> list[nn.Parameter]:
         if self._explicit_params is not None:

@@ -4,6 +4,7 @@ reference on the concatenated global batch, with the same dropout masks the rank
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -261,6 +262,31 @@ def case_corpus_cross_device():
             "metric_keys": sorted(result.metrics) == sorted(ref_metrics)}
 
 
+def case_fsdp_divide_factor_restored():
+    """After a step, an FSDP model used outside the engine averages its gradients over the
+    ranks again (FSDP's default), exactly as an identical model never given to the engine."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    used = TokenTower().to(DT)
+    fresh = copy.deepcopy(used)
+    for m in (used, fresh):
+        fully_shard(m, mesh=mesh)
+    q, d = global_batch((4, 4), 0)[rank]
+    bb.GradCache({"query": used, "doc": used}, bb.InfoNCE().to(DT), chunk_size=2).step(
+        query=q, doc=d)
+    for m in (used, fresh):
+        zero(m)
+        m(**q)[:, 0].sum().backward()  # (the output is L2-normalised: not its norm)
+    diff = max((a.grad.full_tensor() - b.grad.full_tensor()).abs().max().item()
+               for a, b in zip(used.parameters(), fresh.parameters()))
+    scale = min(b.grad.full_tensor().abs().max().item() for b in fresh.parameters())
+    return {"diff": diff, "scale": scale}
+
+
 def case_gather_with_grad():
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.arange((rank + 2) * 3, dtype=DT).reshape(rank + 2, 3).requires_grad_()
@@ -404,6 +430,7 @@ CASES = {
     "shape_disagreement": case_shape_disagreement,
     "non_finite_one_rank": case_non_finite_on_one_rank,
     "fsdp_ragged_refused": case_ragged_chunks_refused_for_fsdp,
+    "fsdp_divide_factor_restored": case_fsdp_divide_factor_restored,
 }
 
 

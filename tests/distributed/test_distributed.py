@@ -120,6 +120,12 @@ def test_fsdp_with_unequal_chunk_counts_is_refused(results):
         assert "cross_device" not in res["message"]  # the check holds with it too
 
 
+def test_fsdp_divide_factor_is_restored_after_the_step(results):
+    for r in results:
+        res = r["fsdp_divide_factor_restored"]
+        assert res["scale"] > 1e-3 and res["diff"] == 0.0, res
+
+
 @pytest.fixture(scope="module")
 def error_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist_errors") / "results.json"
