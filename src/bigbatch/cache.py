@@ -4,7 +4,8 @@ batch while only one chunk's activations are alive at a time.
 For every step the engine:
 
 1. embeds each chunk of each tower with gradients off, recording the random state
-   of the chunk (:class:`bigbatch.rng.RandContext`) so dropout can be replayed;
+   of the chunk (:class:`bigbatch.rng.RandContext`) before it is collated, so that
+   dropout and a random ``collate_fn`` (augmentation) can be replayed;
 2. computes the loss on all cached embeddings (detached leaves) and backpropagates
    to them, which yields ``dL/d(embedding)`` for every example (and the gradient of
    the loss's own parameters, such as a learnable temperature);
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,11 +70,17 @@ class StepResult:
 
     Attributes:
         loss: the detached full-batch loss (unscaled, even with a GradScaler).
-        metrics: the loss's detached metrics (0-d tensors), e.g. ``pos_sim``, ``accuracy``.
+        metrics: the loss's detached metrics (0-d tensors), e.g. ``pos_sim``, ``accuracy``;
+            a metric given as a plain number becomes a tensor on the loss's device.
     """
 
     loss: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        dev = self.loss.device
+        self.metrics = {k: v.detach() if isinstance(v, Tensor) else torch.as_tensor(v, device=dev)
+                        for k, v in self.metrics.items()}
 
     def to_dict(self) -> dict[str, float]:
         """Loss and metrics as Python floats, with one host-device synchronisation."""
@@ -203,7 +212,9 @@ class GradCache:
             a ``"loss"`` key. Any loss works, not only InfoNCE.
         chunk_size: rows per chunk, one int for all towers or ``{name: int}``.
         collate_fn: for towers fed lists of raw examples: a callable (all towers) or
-            ``{name: callable}`` that turns a list of examples into a tensor or dict.
+            ``{name: callable}`` that turns a list of examples into a tensor or dict. It runs
+            under the chunk's recorded random state, so random augmentation in it draws the
+            same numbers when the chunk is replayed.
         device: if given, each chunk is moved there just before its tower runs, so a batch
             far larger than accelerator memory can be held on the host.
         autocast_dtype: run the towers under ``torch.autocast`` with this dtype
@@ -213,7 +224,8 @@ class GradCache:
             ``scaler.step(optimizer)`` and ``scaler.update()`` as usual.
         sort_by_length: order examples by token count (``attention_mask``) before chunking,
             so chunks hold similar lengths; embeddings are put back in the original order
-            before the loss, so the result is that of the unordered run.
+            before the loss, so the result is that of the unordered run. Only with the
+            default :meth:`split_inputs` (an override defines its own layout).
         trim_padding: cut each chunk of tokenized inputs to its own longest row (columns
             that are padding in every row of the chunk are dropped; both padding sides).
             Right padding is always exact. Dropping leading (left-padding) columns shifts
@@ -232,7 +244,7 @@ class GradCache:
         sync_gradients: under ``torch.distributed``, sum the gradients over ranks once per
             step (one coalesced all-reduce). Towers wrapped in DistributedDataParallel are
             called through their inner module, so DDP never synchronises on its own; FSDP2
-            (``fully_shard``) towers reduce-scatter once, on the last replay.
+            (``fully_shard``) towers reduce-scatter once, on the last replay that reaches them.
         params: the parameters to synchronise, when a tower is a plain function whose
             parameters the engine cannot find (default: the towers' and the loss's).
 
@@ -320,6 +332,11 @@ class GradCache:
         Tokenized dicts (with ``attention_mask``) are trimmed to each chunk's longest row.
         Lists of raw examples are split; each piece is collated with the tower's
         ``collate_fn`` when it is embedded and again when it is replayed, never all at once.
+
+        Override it for layouts whose first dimension is not the batch (e.g. a
+        vision-language processor's patches of all images concatenated): the engine takes
+        the tower's row count from the returned ``rows`` (one positive int per chunk; the
+        tower must return that many embeddings for the chunk) and never inspects the inputs.
         """
         n = _rows_of(inputs, name)
         bounds = [(lo, min(lo + chunk_size, n)) for lo in range(0, n, chunk_size)]
@@ -389,8 +406,6 @@ class GradCache:
                 and v.shape[1] == t else v for k, v in chunk.items()}
 
     def _length_order(self, name: str, inputs: Any, n: int) -> Tensor | None:
-        if not self.sort_by_length:
-            return None
         if isinstance(inputs, Mapping) and isinstance(inputs.get("attention_mask"), Tensor):
             lengths = (inputs["attention_mask"] != 0).sum(1)
             return torch.argsort(lengths.cpu(), descending=True, stable=True)
@@ -412,14 +427,28 @@ class GradCache:
                              f"of {rows} rows; expected ({rows}, dim)")
         return emb
 
-    def _plan(self, name: str, inputs: Any) -> _TowerRun:
-        n = _rows_of(inputs, name)
-        if n == 0:
-            raise InputError(f"input for tower {name!r} has no rows")
-        order = self._length_order(name, inputs, n)
-        if order is not None:
-            inputs = _index_rows(inputs, order, n)
+    def _plan(self, name: str, inputs: Any, allow_empty: bool = False) -> _TowerRun:
+        """Chunk one tower's inputs. The row count is what :meth:`split_inputs` says, so an
+        override handles layouts whose first dimension is not the batch; length ordering
+        needs the default layout and is skipped for an override."""
+        order = None
+        if self.sort_by_length and type(self).split_inputs is GradCache.split_inputs:
+            n = _rows_of(inputs, name)
+            order = self._length_order(name, inputs, n)
+            if order is not None:
+                inputs = _index_rows(inputs, order, n)
         chunks, rows = self.split_inputs(name, inputs, self.chunk_sizes[name])
+        chunks, given = list(chunks), list(rows)
+        try:
+            rows = [operator.index(r) for r in given]
+        except TypeError:
+            rows = []
+        if len(rows) != len(given) or len(chunks) != len(rows) or not all(r > 0 for r in rows):
+            raise InputError(f"split_inputs for tower {name!r} must return (chunks, rows) with "
+                             f"one positive integer row count per chunk, got {len(chunks)} "
+                             f"chunks and rows {given}")
+        if not rows and not allow_empty:  # distributed: the ranks agree on it, all raise
+            raise InputError(f"input for tower {name!r} has no rows")
         return _TowerRun(name, _is_trainable(D.unwrap_ddp(self.towers[name])), chunks, rows,
                          order)
 
@@ -431,11 +460,45 @@ class GradCache:
         the loss (e.g. ``doc_ids``). Returns a :class:`StepResult`.
 
         Raises:
-            InputError: a tower's input is missing, or an argument is neither a tower nor
-                accepted by the loss.
+            InputError: a tower's input is missing or empty, or an argument is neither a
+                tower nor accepted by the loss.
             ShapeError: a tower output is not ``(rows, dim)``.
             NonFiniteError: NaN/inf in an embedding or in the loss (nothing written yet).
+
+        Under ``torch.distributed``, an error that one rank's inputs cause before the first
+        collective is raised on every rank (the same class, naming the rank). The step runs
+        with gradients enabled even when called under ``torch.no_grad()``.
         """
+        group = self.process_group
+        distributed = D.is_distributed(group)
+        runs: list[_TowerRun] = []
+        loss_kwargs: dict[str, Any] = {}
+        failure: Exception | None = None
+        sync_params: list[nn.Parameter] = []
+        try:
+            loss_kwargs = self._check_arguments(inputs)
+            runs = [self._plan(name, inputs[name], distributed) for name in self.towers]
+            if distributed and self.sync_gradients:  # a plain-function tower without params=
+                sync_params = self._sync_params()    # is refused before any gradient is written
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree_on_sizes
+            if not distributed:
+                raise
+            failure = e
+        fsdp = self._fsdp_modules()
+        counts = self._agree_on_sizes(runs, loss_kwargs, failure) if distributed else None
+        with self._no_sync(fsdp), torch.enable_grad():  # also when called under no_grad()
+            self._embed_all(runs)
+            if distributed:
+                self._agree_after_embedding(runs)
+            loss, total, metrics = self._loss_and_backward(runs, loss_kwargs, counts)
+            self._replay_all(runs, fsdp)
+        if distributed and self.sync_gradients:
+            self.last_sync_calls = D.all_reduce_gradients(sync_params, group)
+        return StepResult(total, metrics)
+
+    def _check_arguments(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Check that every tower has an input and every other argument is the loss's;
+        return the loss's keyword arguments."""
         missing = [n for n in self.towers if n not in inputs]
         if missing:
             raise InputError(f"step() is missing input(s) for tower(s) {missing}; towers are "
@@ -447,22 +510,7 @@ class GradCache:
                 raise InputError(f"step() got argument(s) {extra} that are neither towers "
                                  f"{list(self.towers)} nor arguments of the loss "
                                  f"{sorted(self._loss_names - set(self.towers))}")
-
-        runs = [self._plan(name, inputs[name]) for name in self.towers]
-        group = self.process_group
-        distributed = D.is_distributed(group)
-        fsdp = self._fsdp_modules()
-        counts = self._agree_on_sizes(runs) if distributed else None
-        with self._no_sync(fsdp):
-            self._embed_all(runs)
-            if distributed:
-                self._agree_after_embedding(runs)
-            loss, total, metrics = self._loss_and_backward(runs, loss_kwargs, counts)
-            self._replay_all(runs, fsdp)
-        if distributed and self.sync_gradients:
-            self.last_sync_calls = D.all_reduce_gradients(self._sync_params(), group)
-        return StepResult(total, {k: v.detach() if isinstance(v, Tensor) else
-                                  torch.as_tensor(v) for k, v in metrics.items()})
+        return loss_kwargs
 
     # ------------------------------------------------------------ step stages
     def _embed_all(self, runs: list[_TowerRun]) -> None:
@@ -470,12 +518,16 @@ class GradCache:
         last_trainable = max((i for i, r in enumerate(runs) if r.trainable), default=None)
         for i, run in enumerate(runs):
             outs = []
-            for c, chunk in enumerate(run.chunks):
-                chunk = _to_device(_materialize(chunk), self.device)
+            for c, planned in enumerate(run.chunks):
                 keep = (self.reuse_last_chunk and i == last_trainable
                         and c == len(run.chunks) - 1)
-                if run.trainable and not keep:
-                    run.contexts.append(RandContext(chunk))
+                ctx = None
+                if run.trainable and not keep:  # before collating: a random collate_fn
+                    ctx = RandContext(planned, devices=[self.device] if self.device else [])
+                chunk = _to_device(_materialize(planned), self.device)  # is replayed too
+                if ctx is not None:
+                    ctx.include(chunk)  # a device only the collated chunk reveals
+                    run.contexts.append(ctx)
                 with torch.set_grad_enabled(keep), self._autocast(_first_device(chunk)):
                     emb = self._checked(run.name, c, self.embed(run.name, chunk), run.rows[c])
                 if keep:
@@ -530,26 +582,41 @@ class GradCache:
             if run.kept is not None:  # before every replay: frees the kept graph first, so
                 jobs.insert(0, (run, None, grads[-1]))  # one chunk's activations at a time
             jobs.extend((run, c, grads[c]) for c in range(len(run.contexts)))
+        sync_at = self._fsdp_sync_points(jobs, fsdp)
         for j, (run, c, g) in enumerate(jobs):
-            if fsdp and j == len(jobs) - 1:
-                self._set_fsdp_sync(fsdp, True)  # reduce-scatter on the last backward only
+            if j in sync_at:  # reduce-scatter on each FSDP module's last backward only
+                self._set_fsdp_sync(sync_at[j], True)
             if c is None:
                 _surrogate_backward(run.kept, g)
                 run.kept = None
                 continue
-            chunk = _to_device(_materialize(run.chunks[c]), self.device)
-            with run.contexts[c], self._autocast(_first_device(chunk)):
-                emb = self.embed(run.name, chunk)
+            with run.contexts[c]:  # the collate_fn's random draws are replayed as well
+                chunk = _to_device(_materialize(run.chunks[c]), self.device)
+                with self._autocast(_first_device(chunk)):
+                    emb = self.embed(run.name, chunk)
             _surrogate_backward(emb, g)
 
     # ------------------------------------------------------------ distributed
-    def _agree_on_sizes(self, runs: list[_TowerRun]) -> dict[str, list[int]]:
-        """Exchange rows and chunk counts per tower; every rank raises the same error."""
-        names = [r.name for r in runs]
-        table = D._exchange_ints([sum(r.rows) for r in runs] + [len(r.chunks) for r in runs],
-                                 self.process_group)
-        rows = table[:, : len(runs)]
-        chunks = table[:, len(runs):]
+    def _agree_on_sizes(self, runs: list[_TowerRun], loss_kwargs: dict[str, Any],
+                        failure: Exception | None) -> dict[str, list[int]]:
+        """Exchange, in one all-gather, whether this rank's inputs failed their checks
+        (``failure``), the names of the loss's arguments, and rows and chunk counts per
+        tower; every rank raises the same error."""
+        import torch.distributed as dist
+
+        names = list(self.towers)
+        sizes = ([sum(r.rows) for r in runs] + [len(r.chunks) for r in runs]
+                 if failure is None else [0] * (2 * len(names)))
+        kwargs_key = zlib.crc32("\0".join(sorted(loss_kwargs)).encode())
+        table = D.raise_together(failure, self.process_group, [kwargs_key, *sizes])
+        protocol = self.cross_device and hasattr(self.loss_fn, "cross_device_forward")
+        if protocol and len(set(table[:, 0].tolist())) > 1:  # its collectives would not match
+            every: list[Any] = [None] * table.shape[0]
+            dist.all_gather_object(every, sorted(loss_kwargs), group=self.process_group)
+            raise InputError(f"the ranks passed different loss arguments to step() (per rank: "
+                             f"{every}); every rank must pass the same ones")
+        rows = table[:, 1: 1 + len(names)]
+        chunks = table[:, 1 + len(names):]
         counts = {n: rows[:, i].tolist() for i, n in enumerate(names)}
         empty = [(r, n) for n in names for r, v in enumerate(counts[n]) if v == 0]
         if empty:
@@ -558,7 +625,8 @@ class GradCache:
         if self._fsdp_modules() and not bool((chunks == chunks[0]).all()):
             raise ConfigError(f"FSDP towers need the same number of chunks on every rank (their "
                               f"forward passes are collective), got {chunks.tolist()} per rank; "
-                              f"use equal local batches (drop_last=True) or cross_device=False")
+                              f"use equal local batches (drop_last=True) and the same chunk "
+                              f"size on every rank")
         return counts
 
     def _agree_after_embedding(self, runs: list[_TowerRun]) -> None:
@@ -605,6 +673,26 @@ class GradCache:
                         seen.setdefault(id(m), m)
         return list(seen.values())
 
+    def _fsdp_sync_points(self, jobs: list[tuple[_TowerRun, int | None, Tensor]],
+                          fsdp: list[nn.Module]) -> dict[int, list[nn.Module]]:
+        """For each replay job, the FSDP modules whose gradient sync must be turned on just
+        before it: each module's last job whose tower contains it.
+
+        A module's reduce-scatter happens in the backward of its own root; separate towers
+        (separate FSDP roots) therefore each need sync on before their own last job, not only
+        before the last job of the step (whose backward never reaches the other towers)."""
+        last: dict[int, int] = {}
+        for j, (run, _, _) in enumerate(jobs):
+            tower = D.unwrap_ddp(self.towers[run.name])
+            if isinstance(tower, nn.Module):
+                for m in tower.modules():
+                    last[id(m)] = j
+        points: dict[int, list[nn.Module]] = {}
+        for m in fsdp:
+            if id(m) in last:
+                points.setdefault(last[id(m)], []).append(m)
+        return points
+
     @staticmethod
     def _set_fsdp_sync(fsdp: list[nn.Module], on: bool) -> None:
         for m in fsdp:
@@ -619,6 +707,7 @@ class GradCache:
             for tower in {id(t): t for t in self.towers.values()}.values():
                 if isinstance(tower, DistributedDataParallel):
                     stack.enter_context(tower.no_sync())
+            factors = [(m, self._divide_factor(m)) for m in fsdp]
             for m in fsdp:
                 m.set_gradient_divide_factor(1.0)  # the loss is already global: sum, not mean
             self._set_fsdp_sync(fsdp, False)
@@ -626,6 +715,19 @@ class GradCache:
                 yield
             finally:
                 self._set_fsdp_sync(fsdp, True)
+                for m, factor in factors:  # FSDP used outside the engine averages again
+                    m.set_gradient_divide_factor(factor)
+
+    @staticmethod
+    def _divide_factor(module: nn.Module) -> float | None:
+        """An FSDP2 module's gradient divide factor (None: FSDP's default, the world size).
+        FSDP2 has a setter but no getter; it keeps the factor on each parameter group."""
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # older torch: one group per module
+            groups = [getattr(state, "_fsdp_param_group", None)]
+        groups = [g for g in groups if g is not None]
+        return getattr(groups[0], "gradient_divide_factor", None) if groups else None
 
     def _sync_params(self) -> list[nn.Parameter]:
         if self._explicit_params is not None:

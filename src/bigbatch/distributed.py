@@ -43,10 +43,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import errors
 
 __all__ = [
     "WorldInfo", "world_info", "is_distributed", "init_distributed", "gather_with_grad",
     "all_gather_rows", "all_reduce_gradients", "Gathered", "unwrap_ddp", "is_fsdp",
+    "raise_together",
 ]
 
 
@@ -141,6 +143,44 @@ def _exchange_ints(values: Sequence[int], group: Any = None) -> Tensor:
     return torch.stack(parts).cpu()
 
 
+def raise_together(error: BaseException | None, group: Any = None,
+                   values: Sequence[int] = ()) -> Tensor:
+    """Make every rank raise when any rank failed a local check before a collective.
+
+    Each rank passes the error its own check raised (or None). One small all-gather tells
+    every rank who failed; then all raise the same :mod:`bigbatch.errors` exception, instead
+    of the failing rank raising alone while the others wait in the next collective until
+    the timeout. ``values`` (ints, as many on every rank) travel in the same all-gather.
+
+    Returns:
+        the ``(world, len(values))`` table of every rank's ``values`` when no rank failed.
+    """
+    table = _exchange_ints([int(error is not None), *values], group)
+    _raise_shared(error, table[:, 0].tolist(), group)
+    return table[:, 1:]
+
+
+def _raise_shared(error: BaseException | None, failed: Sequence[int], group: Any = None) -> None:
+    """With ``failed[r]`` nonzero for the ranks that failed (already exchanged, the same on
+    every rank): every rank raises an error of the first failing rank's class (an
+    :class:`InputError` if it was not a bigbatch error), with a message naming that rank,
+    identical on every rank; the original error is the failing rank's ``__cause__``."""
+    import torch.distributed as dist
+
+    ranks = [r for r, f in enumerate(failed) if f]
+    if not ranks:
+        return
+    mine = None if error is None else (type(error).__name__, str(error))
+    every: list[Any] = [None] * len(failed)
+    dist.all_gather_object(every, mine, group=group)
+    name, message = every[ranks[0]]
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.BigBatchError)):
+        cls, message = errors.InputError, f"{name}: {message}"
+    more = f" (and rank(s) {ranks[1:]})" if len(ranks) > 1 else ""
+    raise cls(f"rank {ranks[0]}{more}: {message}") from error
+
+
 class _GatherWithGrad(torch.autograd.Function):
     """All-gather rows; backward all-reduces (SUM) the gathered gradient and returns this
     rank's rows. An all-reduce rather than a reduce-scatter: it handles uneven row counts
@@ -212,6 +252,12 @@ class Gathered:
         out: list[list[Any]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(out, list(values), group=self.group)
         return [v for part in out for v in part]
+
+    def raise_together(self, error: BaseException | None, values: Sequence[int] = ()) -> Tensor:
+        """Every rank raises the same error when a local check failed on any rank; else the
+        table of every rank's ``values`` (see :func:`raise_together`). Call it before the
+        next collective."""
+        return raise_together(error, self.group, values)
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
         """Sum ``t`` over ranks (no gradient), returned on ``t``'s device."""

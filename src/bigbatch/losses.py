@@ -62,13 +62,18 @@ class LogitScale(nn.Module):
 
     Args:
         temperature: initial temperature; ``log_scale`` starts at ``ln(1/temperature)``.
-        max_scale: ``clamp_()`` keeps ``log_scale`` in ``[0, ln(max_scale)]``, i.e. the
-            temperature in ``[1/max_scale, 1]``.
+        max_scale: ``clamp_()`` keeps a learnable ``log_scale`` in ``[0, ln(max_scale)]``,
+            i.e. the temperature in ``[1/max_scale, 1]``.
         learnable: a trainable parameter when True, a buffer (saved, not trained) when False.
+            A fixed temperature may be any positive value and ``clamp_()`` leaves it alone.
 
     The forward pass does not clamp (a clamp there would give zero gradient at the
     bound and the scale could never come back); call :meth:`clamp_` after each
     optimizer step, as OpenCLIP and contrastors do.
+
+    Raises:
+        ConfigError: temperature <= 0, max_scale < 1, or a learnable temperature outside
+            ``[1/max_scale, 1]`` (``clamp_()`` would move it after the first step).
     """
 
     def __init__(self, temperature: float = 0.07, max_scale: float = 100.0,
@@ -79,7 +84,14 @@ class LogitScale(nn.Module):
         if not max_scale >= 1:
             raise ConfigError(f"max_scale must be >= 1, got {max_scale!r}")
         self.max_scale = float(max_scale)
-        init = torch.tensor(math.log(1.0 / temperature), dtype=torch.float32)
+        log_scale = math.log(1.0 / temperature)
+        if learnable and not -1e-12 <= log_scale <= math.log(self.max_scale) + 1e-12:
+            raise ConfigError(
+                f"a learnable temperature must lie in [1/max_scale, 1] = [{1 / self.max_scale:g}, 1] "
+                f"(clamp_() keeps it there), got {temperature!r}; "
+                + (f"raise max_scale to at least {1 / temperature:g}" if temperature < 1 else
+                   "give a temperature of at most 1") + " or make the temperature fixed")
+        init = torch.tensor(log_scale, dtype=torch.float32)
         if learnable:
             self.log_scale = nn.Parameter(init)
         else:
@@ -90,8 +102,10 @@ class LogitScale(nn.Module):
 
     @torch.no_grad()
     def clamp_(self) -> "LogitScale":
-        """Clamp ``log_scale`` into ``[0, ln(max_scale)]`` in place; call after ``optimizer.step()``."""
-        self.log_scale.clamp_(0.0, math.log(self.max_scale))
+        """Clamp a learnable ``log_scale`` into ``[0, ln(max_scale)]`` in place; call after
+        ``optimizer.step()``. A fixed temperature is left as it was given."""
+        if isinstance(self.log_scale, nn.Parameter):
+            self.log_scale.clamp_(0.0, math.log(self.max_scale))
         return self
 
     @property
@@ -355,15 +369,27 @@ class InfoNCE(nn.Module):
         ids_all = None
         if doc_ids is not None:
             local_n = nd[gathered.rank]
-            if isinstance(doc_ids, Tensor):
-                local = _ids_tensor(doc_ids, local_n, dev, "doc_ids")
+            local: Tensor | list = []
+            failure = None
+            try:  # checked on every rank before the gather, so that all ranks raise together
+                if isinstance(doc_ids, Tensor):
+                    local = _ids_tensor(doc_ids, local_n, dev, "doc_ids")
+                else:
+                    local = list(doc_ids)
+                    if len(local) != local_n:
+                        raise ShapeError(f"doc_ids has {len(local)} entries but there are "
+                                         f"{local_n} documents; give one id per document")
+            except ShapeError as e:
+                failure = e
+            kinds = gathered.raise_together(failure, [int(isinstance(local, Tensor))])
+            if len(set(kinds[:, 0].tolist())) > 1:
+                raise ShapeError(f"doc_ids is a tensor on rank(s) "
+                                 f"{[r for r, k in enumerate(kinds[:, 0].tolist()) if k]} and a "
+                                 f"list on the others; give the same kind on every rank")
+            if isinstance(local, Tensor):
                 ids_all = gathered.gather_values("doc", local)
             else:
-                values = list(doc_ids)
-                if len(values) != local_n:
-                    raise ShapeError(f"doc_ids has {len(values)} entries but this rank has "
-                                     f"{local_n} documents; give one id per document")
-                ids_all = _ids_tensor(gathered.gather_values("doc", values), sum(nd), dev,
+                ids_all = _ids_tensor(gathered.gather_values("doc", local), sum(nd), dev,
                                       "doc_ids")
         q_pos_all = torch.cat([d_off + torch.arange(b, device=dev) * group
                                for d_off, b in zip(gathered.offsets["doc"], bq)])
@@ -392,6 +418,10 @@ class CorpusInfoNCE(nn.Module):
         positive_index: ``(B,)`` row of each query's positive in ``corpus``.
         other_positives: optional ``(M, 2)`` pairs ``(query row, corpus row)`` of documents
             also relevant to that query: masked out of its negatives.
+
+    Under ``torch.distributed`` with the engine's default ``cross_device=True``, each rank
+    passes its own queries' ``positive_index`` (and ``other_positives``, local rows) and the
+    loss is that of the global batch (:meth:`cross_device_forward`).
 
     Example::
 
@@ -422,8 +452,8 @@ class CorpusInfoNCE(nn.Module):
     def temperature(self) -> float:
         return self.logit_scale.temperature
 
-    def forward(self, query: Tensor, positive_index: Tensor | Sequence[int],
-                other_positives: Tensor | None = None) -> LossOutput:
+    def _target(self, query: Tensor, positive_index: Tensor | Sequence[int]) -> Tensor:
+        """Check the query embeddings and the positives; return the positives as a tensor."""
         if query.dim() != 2 or query.shape[1] != self.corpus.shape[1]:
             raise ShapeError(f"query must be (B, {self.corpus.shape[1]}), got "
                              f"{tuple(query.shape)}")
@@ -434,6 +464,12 @@ class CorpusInfoNCE(nn.Module):
         n = self.corpus.shape[0]
         if bool(((target < 0) | (target >= n)).any()):
             raise ShapeError(f"positive_index out of range for a corpus of {n} documents")
+        return target
+
+    def _sums(self, query: Tensor, target: Tensor,
+              other_positives: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Sum over ``query``'s rows of the cross-entropy, the detached metric sums
+        (positive similarity, correct, negative similarity, negatives, masked) and the scale."""
         corpus = self.corpus.to(device=query.device, dtype=query.dtype)
         sims = query @ corpus.T
         scale = self.logit_scale()
@@ -447,15 +483,52 @@ class CorpusInfoNCE(nn.Module):
                                       torch.tensor(float("-inf"), dtype=logits.dtype,
                                                    device=logits.device))
             masked = pairs.shape[0]
-        loss = nn.functional.cross_entropy(logits, target)
+        loss_sum = nn.functional.cross_entropy(logits, target, reduction="sum")
         with torch.no_grad():
             b = query.shape[0]
             pos = sims.gather(1, target[:, None]).squeeze(1)
             neg_mask = torch.isfinite(logits)
             neg_mask[torch.arange(b, device=query.device), target] = False
-            neg_sim = (sims * neg_mask).sum() / neg_mask.sum().clamp_min(1)
-            metrics = {"pos_sim": pos.mean(), "neg_sim": neg_sim, "margin": pos.mean() - neg_sim,
-                       "accuracy": (logits.argmax(1) == target).to(sims.dtype).mean(),
-                       "temperature": 1.0 / scale.detach(),
-                       "masked": torch.tensor(float(masked), device=query.device)}
-        return LossOutput(loss, {k: v.detach() for k, v in metrics.items()})
+            st = torch.stack([pos.sum(), (logits.argmax(1) == target).to(sims.dtype).sum(),
+                              (sims * neg_mask).sum(), neg_mask.sum().to(sims.dtype),
+                              torch.tensor(float(masked), dtype=sims.dtype, device=sims.device)])
+        return loss_sum, st, scale
+
+    @staticmethod
+    def _metrics(st: Tensor, scale: Tensor, b: int) -> dict[str, Tensor]:
+        pos_sum, correct, neg_sum, neg_n, masked = st.unbind()
+        pos_sim, neg_sim = pos_sum / b, neg_sum / neg_n.clamp_min(1)
+        metrics = {"pos_sim": pos_sim, "neg_sim": neg_sim, "margin": pos_sim - neg_sim,
+                   "accuracy": correct / b, "temperature": 1.0 / scale, "masked": masked}
+        return {k: v.detach() for k, v in metrics.items()}
+
+    def forward(self, query: Tensor, positive_index: Tensor | Sequence[int],
+                other_positives: Tensor | None = None) -> LossOutput:
+        target = self._target(query, positive_index)
+        loss_sum, st, scale = self._sums(query, target, other_positives)
+        b = query.shape[0]
+        return LossOutput(loss_sum / b, self._metrics(st, scale, b))
+
+    def cross_device_forward(self, gathered: "Gathered", positive_index: Tensor | Sequence[int],
+                             other_positives: Tensor | None = None) -> PartialLoss:
+        """This rank's part of the global-batch loss: its own queries (``positive_index`` and
+        ``other_positives`` are this rank's, with local query rows) against the corpus,
+        divided by the global query count, so that the parts of all ranks sum to the loss of
+        the concatenated batch. The total and the metrics are summed over ranks in one
+        all-reduce, so they are the global batch's, identical on every rank.
+
+        Raises:
+            ShapeError: on every rank, when ``positive_index`` is wrong on any rank.
+        """
+        query = gathered.reps["query"][gathered.local("query")]
+        target, failure = None, None
+        try:
+            target = self._target(query, positive_index)
+        except ShapeError as e:
+            failure = e
+        gathered.raise_together(failure)
+        b_total = sum(gathered.counts["query"])
+        loss_sum, st, scale = self._sums(query, target, other_positives)
+        part = loss_sum / b_total
+        summed = gathered.all_reduce_sum(torch.cat([part.detach().reshape(1), st.to(part.dtype)]))
+        return PartialLoss(part, summed[0], self._metrics(summed[1:], scale, b_total))

@@ -16,7 +16,7 @@ and with any backend that ``torch.get_device_module`` knows (XPU, MPS, ...).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -80,6 +80,8 @@ class RandContext:
     Args:
         *objs: the chunk's inputs (tensors, or dicts/lists of them). Their devices,
             and the current accelerator device, get their generator state captured.
+        devices: further devices whose generator state to capture (for example the device
+            a chunk will be moved to after it is collated); CPU entries are ignored.
 
     Example::
 
@@ -90,15 +92,26 @@ class RandContext:
             out = model(batch)
     """
 
-    def __init__(self, *objs: Any) -> None:
-        devices = devices_of(*objs)
-        current = _current_accelerator()
-        if current is not None and current not in devices:
-            devices.append(current)
-        self.devices: list[torch.device] = devices
+    def __init__(self, *objs: Any, devices: Iterable[torch.device | str] = ()) -> None:
+        found = devices_of(*objs)
+        for dev in [_current_accelerator(), *(torch.device(d) for d in devices)]:
+            if dev is not None and dev.type != "cpu":
+                if dev.index is None:
+                    dev = torch.device(dev.type, _device_module(dev.type).current_device())
+                if dev not in found:
+                    found.append(dev)
+        self.devices: list[torch.device] = found
         self.cpu_state: torch.Tensor = torch.get_rng_state()
-        self.device_states: list[torch.Tensor] = [_get_state(d) for d in devices]
+        self.device_states: list[torch.Tensor] = [_get_state(d) for d in found]
         self._outer: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+
+    def include(self, *objs: Any) -> None:
+        """Also capture, as of now, the generator of every device of ``objs`` not yet captured
+        (e.g. where a collate function put a chunk). Call it before the forward pass."""
+        for dev in devices_of(*objs):
+            if dev not in self.devices:
+                self.devices.append(dev)
+                self.device_states.append(_get_state(dev))
 
     def __enter__(self) -> "RandContext":
         self._outer.append((torch.get_rng_state(), [_get_state(d) for d in self.devices]))

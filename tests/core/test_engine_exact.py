@@ -10,7 +10,7 @@ from torch import nn
 
 import bigbatch as bb
 from helpers import (DT, DenseTower, TokenTower, grads_of, max_rel_err, reference_step,
-                     token_batch, zero_grads)
+                     token_batch, trimmed_chunks, zero_grads)
 
 B = 6
 TOL = 1e-10
@@ -257,6 +257,101 @@ def test_raw_examples_with_collate_fn():
     assert max_rel_err(got, grads_of(tower, loss_fn)) <= TOL
 
 
+@pytest.mark.parametrize("reuse_last_chunk", [True, False])
+def test_random_collate_fn_is_replayed_with_its_first_pass_inputs(reuse_last_chunk):
+    """A collate_fn that augments at random (noise here; a random crop or token masking
+    alike) must draw the same numbers when its chunk is replayed: the gradient is that of
+    the loss on the inputs the cached embeddings came from (dropout on as well)."""
+    tower = DenseTower(inp=4, p=0.2).to(DT)
+    loss_fn = bb.InfoNCE().to(DT)
+    raw = {"query": [[float(i), 1.0, -float(i), 0.5] for i in range(5)],
+           "doc": [[0.3 * i, -1.0, float(i % 3), 2.0] for i in range(10)]}
+
+    def collate(rows):
+        x = torch.tensor(rows, dtype=DT)
+        return x + 0.5 * torch.randn_like(x)
+
+    zero_grads(tower, loss_fn)
+    torch.manual_seed(7)
+    bb.GradCache({"query": tower, "doc": tower}, loss_fn, chunk_size=3, collate_fn=collate,
+                 reuse_last_chunk=reuse_last_chunk).step(**raw)
+    got = grads_of(tower, loss_fn)
+    zero_grads(tower, loss_fn)
+    torch.manual_seed(7)  # the first pass's draws, in its order: per chunk, collate then forward
+    reps = {name: torch.cat([tower(collate(rows[lo:lo + 3])) for lo in range(0, len(rows), 3)])
+            for name, rows in raw.items()}
+    loss_fn(**reps).loss.backward()
+    assert max_rel_err(got, grads_of(tower, loss_fn)) <= TOL
+
+
+class PatchTower(nn.Module):
+    """Rows of features plus a varying number of 'patches' per row, all rows' patches
+    concatenated on dim 0 (as a vision-language processor's pixel values): the inputs'
+    first dimensions are not the batch."""
+
+    def __init__(self, p: float = 0.2) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, feats, patches, patches_per_row):
+        pooled = torch.stack([x.mean(0) for x in patches.split(patches_per_row.tolist())])
+        return nn.functional.normalize(self.lin(self.drop(feats + pooled)), dim=-1)
+
+
+class PatchCache(bb.GradCache):
+    """The documented extension point: split_inputs for the patch layout."""
+
+    def split_inputs(self, name, inputs, chunk_size):
+        n = inputs["feats"].shape[0]
+        starts = [0, *inputs["patches_per_row"].cumsum(0).tolist()]
+        chunks, rows = [], []
+        for lo in range(0, n, chunk_size):
+            hi = min(lo + chunk_size, n)
+            chunks.append({"feats": inputs["feats"][lo:hi],
+                           "patches": inputs["patches"][starts[lo]:starts[hi]],
+                           "patches_per_row": inputs["patches_per_row"][lo:hi]})
+            rows.append(hi - lo)
+        return chunks, rows
+
+
+def patch_batch(n):
+    per = torch.randint(1, 4, (n,))
+    return {"feats": torch.randn(n, 4, dtype=DT), "patches": torch.randn(int(per.sum()), 4, dtype=DT),
+            "patches_per_row": per}
+
+
+@pytest.mark.parametrize("sort_by_length", [False, True])
+def test_split_inputs_override_for_a_layout_whose_first_dimension_is_not_the_batch(sort_by_length):
+    tower = PatchTower().to(DT)
+    loss_fn = bb.InfoNCE().to(DT)
+    inputs = {"query": patch_batch(5), "doc": patch_batch(10)}
+    cache = PatchCache({"query": tower, "doc": tower}, loss_fn, chunk_size=2,
+                       sort_by_length=sort_by_length)
+    zero_grads(tower, loss_fn)
+    torch.manual_seed(3)
+    result = cache.step(**inputs)
+    got = grads_of(tower, loss_fn)
+    zero_grads(tower, loss_fn)
+    torch.manual_seed(3)  # the engine's chunks in its order: the same dropout masks
+    chunked = {n: cache.split_inputs(n, x, 2)[0] for n, x in inputs.items()}
+    ref_loss = reference_step({"query": tower, "doc": tower}, loss_fn, inputs, chunked=chunked)
+    assert max_rel_err(got, grads_of(tower, loss_fn)) <= TOL
+    assert torch.allclose(result.loss, ref_loss, rtol=1e-12, atol=0)
+
+
+def test_split_inputs_override_must_return_one_row_count_per_chunk():
+    class Bad(bb.GradCache):
+        def split_inputs(self, name, inputs, chunk_size):
+            return [inputs[:2], inputs[2:]], [2]
+
+    lin = nn.Linear(4, 4).to(DT)
+    with pytest.raises(bb.errors.InputError, match="one positive integer row count per chunk"):
+        Bad({"query": lin, "doc": lin}, bb.InfoNCE(), chunk_size=2).step(
+            query=torch.randn(4, 4, dtype=DT), doc=torch.randn(4, 4, dtype=DT))
+    assert lin.weight.grad is None
+
+
 def test_any_loss_user_triplet_loss():
     q_tower, d_tower = DenseTower().to(DT), DenseTower().to(DT)
 
@@ -288,3 +383,34 @@ def test_gradients_accumulate_onto_existing_grad():
     cache.step(**inputs)
     twice = grads_of(tower)
     assert max_rel_err(twice, {k: 2 * v for k, v in once.items()}) <= 1e-12
+
+
+def test_plain_number_metrics_become_tensors_on_the_loss_device():
+    """A loss may report plain numbers as metrics; they must live where the loss lives, or
+    to_dict()'s stack fails on an accelerator ('meta' stands in for CUDA here)."""
+    res = bb.StepResult(torch.tensor(1.0, device="meta"), {"n": 3, "acc": 0.5})
+    assert [v.device.type for v in res.metrics.values()] == ["meta", "meta"]
+    torch.stack([res.loss.float(), *(v.float() for v in res.metrics.values())])  # as to_dict
+    lin = nn.Linear(4, 4).to(DT)
+    cache = bb.GradCache({"query": lin}, lambda query: {"loss": query.pow(2).mean(), "n": 3,
+                                                        "acc": 0.5}, chunk_size=2)
+    out = cache.step(query=torch.randn(3, 4, dtype=DT)).to_dict()
+    assert out["n"] == 3 and out["acc"] == 0.5
+
+
+def test_step_under_no_grad_still_writes_the_full_batch_gradient():
+    """step() called from code running under torch.no_grad() (an evaluation helper)."""
+    q_tower, d_tower = make_towers(shared=False, p=0.1)
+    loss_fn = bb.InfoNCE(temperature=0.1).to(DT)
+    inputs = {"query": token_batch(B), "doc": token_batch(B)}
+    zero_grads(q_tower, d_tower, loss_fn)
+    torch.manual_seed(9)
+    with torch.no_grad():
+        bb.GradCache({"query": q_tower, "doc": d_tower}, loss_fn, chunk_size=4).step(**inputs)
+        assert not torch.is_grad_enabled()
+    got = grads_of(q_tower, d_tower, loss_fn)
+    zero_grads(q_tower, d_tower, loss_fn)
+    torch.manual_seed(9)  # the engine's chunks in its order: the same dropout masks
+    reference_step({"query": q_tower, "doc": d_tower}, loss_fn, inputs,
+                   chunked={n: trimmed_chunks(x, 4) for n, x in inputs.items()})
+    assert max_rel_err(got, grads_of(q_tower, d_tower, loss_fn)) <= TOL

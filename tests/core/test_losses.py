@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -183,6 +184,28 @@ def test_logit_scale_no_clamp_in_forward_and_clamp_after_step():
     scale.clamp_()
     assert scale.log_scale.item() == 0.0
     assert scale.temperature == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("temperature", [0.005, 2.0])
+def test_clamp_leaves_a_fixed_temperature_alone(temperature):
+    # the training loop calls clamp_() after every step: a fixed 0.005 used to become 0.01
+    fn = bb.InfoNCE(temperature=temperature, learnable_temperature=False)
+    fn.clamp_()
+    assert fn.temperature == pytest.approx(temperature)
+    corpus = bb.CorpusInfoNCE(torch.randn(3, 4), temperature=temperature,
+                              learnable_temperature=False)
+    assert corpus.clamp_().temperature == pytest.approx(temperature)
+
+
+@pytest.mark.parametrize("temperature,bound", [(0.005, "[0.01, 1]"), (2.0, "at most 1")])
+def test_learnable_temperature_outside_the_clamp_range_is_refused(temperature, bound):
+    with pytest.raises(bb.errors.ConfigError, match=re.escape(bound)):
+        bb.InfoNCE(temperature=temperature, learnable_temperature=True)
+    with pytest.raises(bb.errors.ConfigError, match="at least 200"):
+        bb.LogitScale(temperature=0.005, max_scale=100)
+    assert bb.LogitScale(temperature=0.005, max_scale=200).temperature == pytest.approx(0.005)
+    for edge in (0.01, 1.0):  # the bounds themselves are inside
+        assert bb.LogitScale(temperature=edge).temperature == pytest.approx(edge)
 
 
 def test_k_inference_and_errors():

@@ -4,6 +4,7 @@ reference on the concatenated global batch, with the same dropout masks the rank
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -205,22 +206,85 @@ def run_engine_case(*, k=0, sizes=(4, 4), symmetric=False, learnable=True, share
     return res
 
 
-def fsdp_reference(k, sizes, subsets=False):
+def fsdp_reference(k, sizes, subsets=False, shared=True):
     """Reference gradients for the FSDP case, computed without FSDP in this process."""
     world = len(sizes)
     torch.manual_seed(0)
-    model = TwoPath().to(DT) if subsets else TokenTower(p=0.1).to(DT)
+    q_model = TwoPath().to(DT) if subsets else TokenTower(p=0.1).to(DT)
+    d_model = q_model if shared else TokenTower(p=0.1).to(DT)
+    modules = [q_model] if q_model is d_model else [q_model, d_model]
     extra = ({"kind": "text"}, {"kind": "image"}) if subsets else ({}, {})
     loss_fn = bb.InfoNCE(temperature=0.1).to(DT)
     batches = global_batch(sizes, k)
     ref_q, ref_d = [], []
     for r in range(world):
         torch.manual_seed(100 + r)
-        ref_q += [model(**c, **extra[0]) for c in trimmed_chunks(batches[r][0], CHUNK)]
-        ref_d += [model(**c, **extra[1]) for c in trimmed_chunks(batches[r][1], CHUNK)]
+        ref_q += [q_model(**c, **extra[0]) for c in trimmed_chunks(batches[r][0], CHUNK)]
+        ref_d += [d_model(**c, **extra[1]) for c in trimmed_chunks(batches[r][1], CHUNK)]
     loss, _ = loss_fn(query=torch.cat(ref_q), doc=torch.cat(ref_d))
     loss.backward()
-    return grads_of(model, loss_fn), loss.item()
+    return grads_of(*modules, loss_fn), loss.item()
+
+
+def case_corpus_cross_device():
+    """CorpusInfoNCE under the default cross_device=True: each rank passes its own queries'
+    positive_index and other_positives (local rows); the result is the global batch's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TokenTower(p=0.1).to(DT)
+    corpus = nn.functional.normalize(torch.randn(10, 8, dtype=DT), dim=-1)
+    loss_fn = bb.CorpusInfoNCE(corpus, temperature=0.1).to(DT)
+    sizes = (4, 3)
+    queries = [q for q, _ in global_batch(sizes, 0)]
+    targets = [torch.tensor([0, 3, 5, 9]), torch.tensor([2, 3, 7])]
+    others = [torch.tensor([[0, 1], [2, 4]]), torch.tensor([[1, 8]])]  # (local row, corpus row)
+    cache = bb.GradCache({"query": model}, loss_fn, chunk_size=CHUNK)
+    zero(model, loss_fn)
+    torch.manual_seed(100 + rank)
+    result = cache.step(query=queries[rank], positive_index=targets[rank],
+                        other_positives=others[rank])
+    got = grads_of(model, loss_fn)
+    diff, _ = cross_rank_diff([model, loss_fn])
+    zero(model, loss_fn)
+    ref_q = []
+    for r in range(world):
+        torch.manual_seed(100 + r)
+        ref_q += [model(**c) for c in trimmed_chunks(queries[r], CHUNK)]
+    ref_others = torch.cat([others[0], others[1] + torch.tensor([sizes[0], 0])])
+    ref_loss, ref_metrics = loss_fn(torch.cat(ref_q), torch.cat(targets), ref_others)
+    ref_loss.backward()
+    ref = grads_of(model, loss_fn)
+    return {"rel_err": max_rel_err(got, ref), "cross_rank_diff": diff,
+            "loss_err": abs(result.loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+            "sync_calls": cache.last_sync_calls, "n_grads": len(ref),
+            "metrics_err": max(abs(result.metrics[k].item() - v.item())
+                               for k, v in ref_metrics.items()),
+            "metric_keys": sorted(result.metrics) == sorted(ref_metrics)}
+
+
+def case_fsdp_divide_factor_restored():
+    """After a step, an FSDP model used outside the engine averages its gradients over the
+    ranks again (FSDP's default), exactly as an identical model never given to the engine."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    used = TokenTower().to(DT)
+    fresh = copy.deepcopy(used)
+    for m in (used, fresh):
+        fully_shard(m, mesh=mesh)
+    q, d = global_batch((4, 4), 0)[rank]
+    bb.GradCache({"query": used, "doc": used}, bb.InfoNCE().to(DT), chunk_size=2).step(
+        query=q, doc=d)
+    for m in (used, fresh):
+        zero(m)
+        m(**q)[:, 0].sum().backward()  # (the output is L2-normalised: not its norm)
+    diff = max((a.grad.full_tensor() - b.grad.full_tensor()).abs().max().item()
+               for a, b in zip(used.parameters(), fresh.parameters()))
+    scale = min(b.grad.full_tensor().abs().max().item() for b in fresh.parameters())
+    return {"diff": diff, "scale": scale}
 
 
 def case_gather_with_grad():
@@ -285,6 +349,64 @@ def case_ragged_chunks_refused_for_fsdp():
     return {"raised": None}
 
 
+ERROR_TIMEOUT_S = 15  # collective timeout of the error cases: a hang fails fast
+
+
+def _step_error(make_inputs, towers=None, loss_fn=None, **engine_kwargs):
+    """One step on every rank with this rank's ``make_inputs(rank)``; report the error it
+    raised, how long it took, and whether any gradient was written."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4).to(DT)
+    towers = towers(lin) if towers else {"query": lin, "doc": lin}
+    cache = bb.GradCache(towers, loss_fn or bb.InfoNCE().to(DT), chunk_size=2, **engine_kwargs)
+    t0 = time.monotonic()
+    try:
+        cache.step(**make_inputs(rank))
+        raised, message = None, ""
+    except Exception as e:  # noqa: BLE001 - the test checks which one
+        raised, message = type(e).__name__, str(e)
+    return {"raised": raised, "message": message, "seconds": time.monotonic() - t0,
+            "grads_written": any(p.grad is not None for p in lin.parameters())}
+
+
+def _rows(n):
+    return torch.randn(n, 4, dtype=DT)
+
+
+ERROR_CASES = {
+    "warm_up": lambda: {"barrier": dist.barrier() is None},  # the first collective connects
+    # rank 1's local batch is empty: rank 0 used to wait in the size exchange until timeout
+    "empty_rank": lambda: _step_error(
+        lambda r: {"query": _rows(3 if r == 0 else 0), "doc": _rows(3 if r == 0 else 0)}),
+    # rank 1 gives a wrong-length doc_ids: rank 0 used to wait in the ids' all-gather
+    "bad_doc_ids_one_rank": lambda: _step_error(
+        lambda r: {"query": _rows(3), "doc": _rows(3), "doc_ids": torch.arange(3 if r == 0 else 2)}),
+    "bad_doc_ids_list_one_rank": lambda: _step_error(
+        lambda r: {"query": _rows(3), "doc": _rows(3), "doc_ids": list("abc"[: 3 - r])}),
+    # CorpusInfoNCE under cross_device=True: rank 1's positive_index is one entry short
+    "bad_positive_index_one_rank": lambda: _step_error(
+        lambda r: {"query": _rows(3), "positive_index": torch.arange(3 - r)},
+        towers=lambda lin: {"query": lin},
+        loss_fn=bb.CorpusInfoNCE(torch.randn(5, 4, dtype=DT))),
+    # plain-function towers without params=: refused before any gradient is written
+    "plain_function_without_params": lambda: _step_error(
+        lambda r: {"query": _rows(3), "doc": _rows(3)},
+        towers=lambda lin: {"query": lambda x: lin(x), "doc": lambda x: lin(x)}),
+    # rank 1's input dict is malformed (planning fails before the first collective)
+    "bad_input_one_rank": lambda: _step_error(
+        lambda r: {"query": _rows(3), "doc": {"x": _rows(3), "y": _rows(3 - r)}}),
+    # only rank 0 passes doc_ids: the loss's all-gather of ids would never be matched
+    "loss_args_differ": lambda: _step_error(
+        lambda r: {"query": _rows(3), "doc": _rows(3),
+                   **({"doc_ids": torch.arange(3)} if r == 0 else {})}),
+}
+
+
+def error_worker(rank, world, port, out_path):
+    run_cases(rank, world, port, out_path, ERROR_CASES, timeout_s=ERROR_TIMEOUT_S)
+
+
 CASES = {
     "plain_k0_shared": lambda: run_engine_case(k=0),
     "plain_k2_separate": lambda: run_engine_case(k=2, shared=False),
@@ -302,10 +424,13 @@ CASES = {
     "no_cross_device_k1": lambda: run_engine_case(k=1, cross_device=False),
     "fsdp_k1": lambda: run_engine_case(k=1, fsdp=True),
     "fsdp_subsets_k1": lambda: run_engine_case(k=1, fsdp=True, subsets=True),
+    "fsdp_separate_k1": lambda: run_engine_case(k=1, fsdp=True, shared=False),
+    "corpus_cross_device": case_corpus_cross_device,
     "gather_with_grad": case_gather_with_grad,
     "shape_disagreement": case_shape_disagreement,
     "non_finite_one_rank": case_non_finite_on_one_rank,
     "fsdp_ragged_refused": case_ragged_chunks_refused_for_fsdp,
+    "fsdp_divide_factor_restored": case_fsdp_divide_factor_restored,
 }
 
 

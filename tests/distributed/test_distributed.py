@@ -33,7 +33,8 @@ def record(res):
 
 EXACT = ["plain_k0_shared", "plain_k2_separate", "symmetric_k2_ids", "symmetric_k0_streamed",
          "fixed_temperature_k2", "ddp_k2", "ddp_separate_k0_symmetric", "subsets_plain",
-         "subsets_ddp", "ragged_k1", "ragged_ddp_k2", "generic_loss_k1", "no_cross_device_k1"]
+         "subsets_ddp", "ragged_k1", "ragged_ddp_k2", "generic_loss_k1", "no_cross_device_k1",
+         "corpus_cross_device"]
 
 
 @pytest.mark.parametrize("case", EXACT)
@@ -59,14 +60,24 @@ def test_learnable_temperature_gradient_is_global(results):
     assert results[0]["plain_k0_shared"]["n_grads"] == results[0]["fixed_temperature_k2"]["n_grads"] + 1
 
 
+def test_corpus_loss_cross_device_metrics_are_the_global_batch_s(results):
+    for r in results:
+        assert r["corpus_cross_device"]["metric_keys"]
+        assert r["corpus_cross_device"]["metrics_err"] <= 1e-12
+
+
 def test_metrics_are_global_and_identical(results):
     accs = [r["symmetric_k2_ids"]["accuracy"] for r in results]
     assert accs[0] == accs[1]
 
 
-@pytest.mark.parametrize("case,subsets", [("fsdp_k1", False), ("fsdp_subsets_k1", True)])
-def test_fsdp2_fully_shard_matches_reference(results, case, subsets):
-    ref, ref_loss = dist_cases.fsdp_reference(k=1, sizes=(4, 4), subsets=subsets)
+@pytest.mark.parametrize("case,subsets,shared", [("fsdp_k1", False, True),
+                                                 ("fsdp_subsets_k1", True, True),
+                                                 ("fsdp_separate_k1", False, False)])
+def test_fsdp2_fully_shard_matches_reference(results, case, subsets, shared):
+    # separate query and doc models are separate FSDP roots: each must reduce-scatter on
+    # its own last replay (the query model's grads were never reduced, and stayed None)
+    ref, ref_loss = dist_cases.fsdp_reference(k=1, sizes=(4, 4), subsets=subsets, shared=shared)
     for rank, r in enumerate(results):
         res = r[case]
         # one reduce-scatter per FSDP module: only on the last replay, not per chunk
@@ -106,6 +117,41 @@ def test_fsdp_with_unequal_chunk_counts_is_refused(results):
         res = r["fsdp_ragged_refused"]
         assert res["raised"] == "ConfigError"
         assert "same number of chunks" in res["message"] and "drop_last" in res["message"]
+        assert "cross_device" not in res["message"]  # the check holds with it too
+
+
+def test_fsdp_divide_factor_is_restored_after_the_step(results):
+    for r in results:
+        res = r["fsdp_divide_factor_restored"]
+        assert res["scale"] > 1e-3 and res["diff"] == 0.0, res
+
+
+@pytest.fixture(scope="module")
+def error_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist_errors") / "results.json"
+    return spawn_and_collect(dist_cases.error_worker, out)
+
+
+@pytest.mark.parametrize("case,error,text", [
+    ("empty_rank", "InputError", "rank 1 has no rows for tower 'query'"),
+    ("bad_doc_ids_one_rank", "ShapeError", "rank 1: doc_ids has 2 entries but there are 3"),
+    ("bad_doc_ids_list_one_rank", "ShapeError", "rank 1: doc_ids has 2 entries but there are 3"),
+    ("bad_input_one_rank", "InputError", "rank 1: input dict for tower 'doc' has tensors with "
+                                         "different batch sizes"),
+    ("loss_args_differ", "InputError", "different loss arguments"),
+    ("plain_function_without_params", "ConfigError", "tower 'query' is a plain function"),
+    ("bad_positive_index_one_rank", "ShapeError", "rank 1: positive_index must have one entry "
+                                                  "per query (3)"),
+])
+def test_an_error_on_one_rank_is_raised_on_every_rank(error_results, case, error, text):
+    """Every rank raises the same bigbatch error at once, before any gradient is written,
+    instead of the other ranks waiting in a collective until the timeout."""
+    for r in error_results:
+        res = r[case]
+        assert res["raised"] == error, res
+        assert text in res["message"], res
+        assert not res["grads_written"], res
+        assert res["seconds"] < dist_cases.ERROR_TIMEOUT_S, res  # not after a timeout
 
 
 def test_a_failing_rank_ends_the_other_with_an_error(tmp_path):
