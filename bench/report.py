@@ -201,7 +201,13 @@ def st_note() -> list[str]:
                    + (f" Floors timed directly: ceiling "
                       f"**{sm['ceiling_b_over_c_direct_floors']:.2f}x**, bigbatch at "
                       f"{ratios['c_over_its_direct_floor']:.2f}x its floor, "
-                      f"sentence-transformers at {ratios['b_over_its_direct_floor']:.2f}x."
+                      f"sentence-transformers at {ratios['b_over_its_direct_floor']:.2f}x; by "
+                      f"medians: ceiling "
+                      f"{medians['Gb_floor_st_work'] / medians['Gc_floor_bigbatch_work']:.2f}x, "
+                      f"bigbatch at "
+                      f"{medians['c_bigbatch'] / medians['Gc_floor_bigbatch_work']:.2f}x, "
+                      f"sentence-transformers at "
+                      f"{medians['b_st_cached_mnrl'] / medians['Gb_floor_st_work']:.2f}x."
                       if "ceiling_b_over_c_direct_floors" in sm else "")
                    + (f" Length-ordered bigbatch (d): {b / d:.2f}x faster than "
                       f"sentence-transformers." if tag == "real" else

@@ -79,8 +79,8 @@ class StepResult:
 
     def __post_init__(self) -> None:
         dev = self.loss.device
-        self.metrics = {k: v.detach() if isinstance(v, Tensor) else torch.as_tensor(v, device=dev)
-                        for k, v in self.metrics.items()}
+        self.metrics = {k: v.detach().to(dev) if isinstance(v, Tensor) else
+                        torch.as_tensor(v, device=dev) for k, v in self.metrics.items()}
 
     def to_dict(self) -> dict[str, float]:
         """Loss and metrics as Python floats, with one host-device synchronisation."""
@@ -467,8 +467,12 @@ class GradCache:
 
         Under ``torch.distributed``, an error that one rank's inputs cause before the first
         collective is raised on every rank (the same class, naming the rank). The step runs
-        with gradients enabled even when called under ``torch.no_grad()``.
+        with gradients enabled even when called under ``torch.no_grad()``; under
+        ``torch.inference_mode()``, which nothing can lift, it raises ConfigError.
         """
+        if torch.is_inference_mode_enabled():
+            raise ConfigError("GradCache.step() computes gradients; it cannot run under "
+                              "torch.inference_mode() (call it outside that block)")
         group = self.process_group
         distributed = D.is_distributed(group)
         runs: list[_TowerRun] = []

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import bigbatch as bb
+from bigbatch.errors import ConfigError
 from helpers import (DT, DenseTower, TokenTower, grads_of, max_rel_err, reference_step,
                      token_batch, trimmed_chunks, zero_grads)
 
@@ -385,11 +386,22 @@ def test_gradients_accumulate_onto_existing_grad():
     assert max_rel_err(twice, {k: 2 * v for k, v in once.items()}) <= 1e-12
 
 
+def test_step_under_inference_mode_is_a_clear_error():
+    """inference_mode cannot be lifted from inside (unlike no_grad): say so, write nothing."""
+    lin = nn.Linear(4, 4).to(DT)
+    cache = bb.GradCache({"query": lin}, lambda query: query.pow(2).mean(), chunk_size=2)
+    with torch.inference_mode(), pytest.raises(ConfigError, match="inference_mode"):
+        cache.step(query=torch.randn(3, 4, dtype=DT))
+    assert lin.weight.grad is None
+
+
 def test_plain_number_metrics_become_tensors_on_the_loss_device():
-    """A loss may report plain numbers as metrics; they must live where the loss lives, or
+    """A loss may report plain numbers (or tensors elsewhere) as metrics; they must live
+    where the loss lives, or
     to_dict()'s stack fails on an accelerator ('meta' stands in for CUDA here)."""
-    res = bb.StepResult(torch.tensor(1.0, device="meta"), {"n": 3, "acc": 0.5})
-    assert [v.device.type for v in res.metrics.values()] == ["meta", "meta"]
+    res = bb.StepResult(torch.tensor(1.0, device="meta"), {"n": 3, "acc": 0.5,
+                                                           "cpu_tensor": torch.tensor(2.0)})
+    assert [v.device.type for v in res.metrics.values()] == ["meta", "meta", "meta"]
     torch.stack([res.loss.float(), *(v.float() for v in res.metrics.values())])  # as to_dict
     lin = nn.Linear(4, 4).to(DT)
     cache = bb.GradCache({"query": lin}, lambda query: {"loss": query.pow(2).mean(), "n": 3,
