@@ -230,10 +230,12 @@ def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(assets, tmp
     train(config(assets, out, resume=str(out / "checkpoint-000004"), **branch), _stop_after=5)
     moved = list(out.glob("abandoned-*"))
     assert len(moved) == 1
-    assert sorted(p.name for p in moved[0].iterdir()) == ["checkpoint-000006", "metrics.jsonl"]
+    # the abandoned run's later checkpoint, and its final/ and summary (it had finished)
+    assert sorted(p.name for p in moved[0].iterdir()) == ["checkpoint-000006", "final",
+                                                          "metrics.jsonl", "summary.json"]
     assert (moved[0] / "checkpoint-000006" / "trainer_state.pt").exists()   # nothing deleted
-    assert "checkpoint-000006); they belong to" in capsys.readouterr().out
-    assert (out / "final").exists()                                        # nothing else moved
+    assert "checkpoint-000006, final, summary.json); they belong to" in capsys.readouterr().out
+    assert not (out / "final").exists() and not (out / "summary.json").exists()
     # the checkpoint resumed from is kept (no newer one yet) and a plain --resume takes it
     assert latest_checkpoint(out).name == "checkpoint-000004"
     # one checkpoint kept, one saved each step: the new run's checkpoint-5 replaces checkpoint-4
@@ -241,6 +243,22 @@ def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(assets, tmp
                                                    "save_total_limit": 1}), _stop_after=5)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000005"]
     assert list(out.glob("abandoned-*")) == moved
+
+
+@pytest.mark.parametrize("best_step", [2, 6])
+def test_a_best_model_of_the_abandoned_timeline_is_set_aside_too(tmp_path, best_step):
+    """best/ saved after the resumed step is the abandoned timeline's: the resumed run's
+    record of its best does not know it, so it goes with the later checkpoints."""
+    from bigbatch.train.checkpoint import abandon_later_checkpoints
+
+    for name, step in (("checkpoint-000004", 4), ("checkpoint-000006", 6), ("best", best_step)):
+        (tmp_path / name).mkdir()
+        torch.save({"state": {"step": step}, "optimizer": {}}, tmp_path / name / "trainer_state.pt")
+    dest = abandon_later_checkpoints(tmp_path, 4)
+    moved = sorted(p.name for p in dest.iterdir())
+    assert moved == (["best", "checkpoint-000006"] if best_step > 4 else ["checkpoint-000006"])
+    assert (tmp_path / "best").exists() == (best_step <= 4)
+    assert (tmp_path / "checkpoint-000004").exists()
 
 
 def test_resume_drops_the_metrics_rows_it_logs_again(tmp_path):

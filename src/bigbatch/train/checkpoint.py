@@ -223,19 +223,50 @@ def rotate_checkpoints(output_dir: str | Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def abandon_later_checkpoints(output_dir: str | Path, step: int) -> Path | None:
-    """Move every ``checkpoint-N`` of ``output_dir`` with ``N > step`` into a new
-    ``abandoned-<timestamp>/`` folder there; call on the main rank when a run resumes from
-    ``step``. Returns that folder, or None when there was nothing to move.
+def _saved_step(ckpt: Path) -> int | None:
+    """The step a checkpoint-like folder (``checkpoint-N``, ``best/``) was saved at."""
+    f = ckpt / "trainer_state.pt"
+    if not f.exists():
+        return None
+    try:  # memory-mapped: the optimizer state is not read
+        return int(torch.load(f, map_location="cpu", weights_only=False, mmap=True)
+                   ["state"]["step"])
+    except Exception:  # noqa: BLE001 - an unreadable folder is left where it is
+        return None
 
-    Those checkpoints belong to the timeline the resume branches away from: left in place they
-    would outrank the resumed run's own checkpoints (rotation would delete the new ones, and a
-    later ``--resume output_dir`` would continue the old timeline). Nothing is deleted; a copy
-    of ``metrics.jsonl`` goes along, as the resumed run keeps only its rows up to ``step``.
+
+def abandon_later_checkpoints(output_dir: str | Path, step: int) -> Path | None:
+    """Move what ``output_dir`` holds from later than ``step`` into a new
+    ``abandoned-<timestamp>/`` folder there: every ``checkpoint-N`` with ``N > step``,
+    ``best/`` when it was saved after ``step``, and ``final/`` with ``summary.json`` when the
+    summary names a later step (or, without a summary, when later checkpoints were found).
+    Call on the main rank when a run resumes from ``step``. Returns that folder, or None when
+    there was nothing to move.
+
+    Those belong to the timeline the resume branches away from: left in place, later
+    checkpoints would outrank the resumed run's own (rotation would delete the new ones, and
+    a later ``--resume output_dir`` would continue the old timeline), and ``best/`` would
+    hold a model the resumed run's record of its best does not know. Nothing is deleted; a
+    copy of ``metrics.jsonl`` goes along, as the resumed run keeps only its rows up to
+    ``step``.
     """
     out = Path(output_dir)
-    later = sorted((int(m.group(1)), p) for p in out.glob("checkpoint-*")
+    found = sorted((int(m.group(1)), p) for p in out.glob("checkpoint-*")
                    if (m := _NAME.match(p.name)) and int(m.group(1)) > step)
+    later = [p for _, p in found]
+    best = out / "best"
+    if (best_step := _saved_step(best)) is not None and best_step > step:
+        later.append(best)
+    summary = out / "summary.json"
+    try:
+        summary_step = json.loads(summary.read_text()).get("steps") if summary.exists() else None
+    except (OSError, ValueError):
+        summary_step = None
+    if (out / "final").is_dir() and (summary_step is not None and summary_step > step
+                                     or summary_step is None and later):
+        later.append(out / "final")
+    if summary_step is not None and summary_step > step:
+        later.append(summary)
     if not later:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -245,14 +276,14 @@ def abandon_later_checkpoints(output_dir: str | Path, step: int) -> Path | None:
         n += 1
         dest = out / f"abandoned-{stamp}-{n}"
     dest.mkdir()
-    for _, p in later:
+    for p in later:
         os.replace(p, dest / p.name)
     if (out / "metrics.jsonl").exists():
         shutil.copy2(out / "metrics.jsonl", dest / "metrics.jsonl")
     _fsync_dir(dest)
     _fsync_dir(out)
-    print(f"bigbatch train: resuming from step {step}, but {out} holds checkpoints of a later "
-          f"point of the run ({', '.join(p.name for _, p in later)}); they belong to the "
+    print(f"bigbatch train: resuming from step {step}, but {out} holds outputs of a later "
+          f"point of the run ({', '.join(p.name for p in later)}); they belong to the "
           f"timeline this resume abandons and were moved to {dest}", flush=True)
     return dest
 
