@@ -40,3 +40,18 @@ def test_pages_are_redrawn_when_text_or_settings_change(tmp_path, monkeypatch):
     page.unlink()                                                        # a page went missing
     render_beir_pages(src, out, size=(224, 224), font_size=9, progress=False)
     assert len(drawn) == 5 and page.exists()
+
+
+def test_bad_query_lines_and_missing_queries_are_errors(tmp_path):
+    """They were skipped silently, leaving qrels that name queries the output lacks."""
+    import pytest
+
+    from bigbatch.errors import DataError
+
+    src = _beir(tmp_path / "src", "text")
+    (src / "queries.jsonl").write_text('{"_id": "q1", "text": "q"}\n{"text": "no id"}\n')
+    with pytest.raises(DataError, match=r"queries.jsonl:2, field '_id': missing key"):
+        render_beir_pages(src, tmp_path / "out", progress=False)
+    (src / "queries.jsonl").write_text('{"_id": "q2", "text": "another"}\n')
+    with pytest.raises(DataError, match="1 query ids of the qrels are not in queries.jsonl"):
+        render_beir_pages(src, tmp_path / "out", progress=False)

@@ -168,9 +168,17 @@ def render_beir_pages(src: str | Path, out: str | Path, *, splits: tuple[str, ..
             w.writerow(["query-id", "corpus-id", "score"])
             w.writerows(rows)
     queries = {}
-    for _, rec, _ in iter_jsonl(src / "queries.jsonl"):
-        if rec and str(rec["_id"]) in qids:
+    for n, rec, problem in iter_jsonl(src / "queries.jsonl"):
+        missing = next((k for k in ("_id", "text") if rec is not None and k not in rec), None)
+        if problem is not None or missing is not None:
+            raise DataError(problem or "missing key", path=str(src / "queries.jsonl"), line=n,
+                            field=missing)
+        if str(rec["_id"]) in qids:
             queries[str(rec["_id"])] = rec
+    absent = sorted(qids - set(queries))
+    if absent:
+        raise DataError(f"{len(absent)} query ids of the qrels are not in queries.jsonl "
+                        f"(first: {absent[0]!r})", path=str(src / "queries.jsonl"))
     with open(out / "queries.jsonl", "w") as f:
         for q in queries.values():
             f.write(json.dumps(q) + "\n")
