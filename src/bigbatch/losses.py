@@ -379,7 +379,7 @@ class InfoNCE(nn.Module):
                     if len(local) != local_n:
                         raise ShapeError(f"doc_ids has {len(local)} entries but there are "
                                          f"{local_n} documents; give one id per document")
-            except ShapeError as e:
+            except Exception as e:  # noqa: BLE001 - raised on every rank by raise_together
                 failure = e
             kinds = gathered.raise_together(failure, [int(isinstance(local, Tensor))])
             if len(set(kinds[:, 0].tolist())) > 1:
@@ -466,6 +466,22 @@ class CorpusInfoNCE(nn.Module):
             raise ShapeError(f"positive_index out of range for a corpus of {n} documents")
         return target
 
+    def _pairs(self, other_positives: Tensor | Sequence | None, b: int,
+               device: torch.device) -> Tensor | None:
+        """``other_positives`` as an ``(M, 2)`` long tensor of (query row, corpus row),
+        checked against ``b`` queries and the corpus; None when there are none."""
+        if other_positives is None or len(other_positives) == 0:
+            return None
+        pairs = torch.as_tensor(other_positives, dtype=torch.long, device=device)
+        n = self.corpus.shape[0]
+        if pairs.dim() != 2 or pairs.shape[1] != 2:
+            raise ShapeError(f"other_positives must be (M, 2) pairs (query row, corpus row), "
+                             f"got shape {tuple(pairs.shape)}")
+        if bool(((pairs < 0) | (pairs[:, :1] >= b) | (pairs[:, 1:] >= n)).any()):
+            raise ShapeError(f"other_positives out of range for {b} queries and a corpus of "
+                             f"{n} documents")
+        return pairs
+
     def _sums(self, query: Tensor, target: Tensor,
               other_positives: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """Sum over ``query``'s rows of the cross-entropy, the detached metric sums
@@ -475,8 +491,8 @@ class CorpusInfoNCE(nn.Module):
         scale = self.logit_scale()
         logits = sims * scale
         masked = 0
-        if other_positives is not None and len(other_positives):
-            pairs = torch.as_tensor(other_positives, dtype=torch.long, device=query.device)
+        pairs = self._pairs(other_positives, query.shape[0], query.device)
+        if pairs is not None:
             keep = pairs[:, 1] != target[pairs[:, 0]]
             pairs = pairs[keep]
             logits = logits.index_put((pairs[:, 0], pairs[:, 1]),
@@ -489,9 +505,11 @@ class CorpusInfoNCE(nn.Module):
             pos = sims.gather(1, target[:, None]).squeeze(1)
             neg_mask = torch.isfinite(logits)
             neg_mask[torch.arange(b, device=query.device), target] = False
-            st = torch.stack([pos.sum(), (logits.argmax(1) == target).to(sims.dtype).sum(),
-                              (sims * neg_mask).sum(), neg_mask.sum().to(sims.dtype),
-                              torch.tensor(float(masked), dtype=sims.dtype, device=sims.device)])
+            # counts and sums at least in float32: float16 would overflow at 65,504
+            acc = torch.promote_types(sims.dtype, torch.float32)
+            st = torch.stack([pos.to(acc).sum(), (logits.argmax(1) == target).to(acc).sum(),
+                              (sims.to(acc) * neg_mask).sum(), neg_mask.sum().to(acc),
+                              torch.tensor(float(masked), dtype=acc, device=sims.device)])
         return loss_sum, st, scale
 
     @staticmethod
@@ -522,13 +540,14 @@ class CorpusInfoNCE(nn.Module):
         """
         query = gathered.reps["query"][gathered.local("query")]
         target, failure = None, None
-        try:
+        try:  # every per-rank input checked before the first collective
             target = self._target(query, positive_index)
+            self._pairs(other_positives, query.shape[0], query.device)
         except ShapeError as e:
             failure = e
         gathered.raise_together(failure)
         b_total = sum(gathered.counts["query"])
         loss_sum, st, scale = self._sums(query, target, other_positives)
         part = loss_sum / b_total
-        summed = gathered.all_reduce_sum(torch.cat([part.detach().reshape(1), st.to(part.dtype)]))
+        summed = gathered.all_reduce_sum(torch.cat([part.detach().to(st.dtype).reshape(1), st]))
         return PartialLoss(part, summed[0], self._metrics(summed[1:], scale, b_total))

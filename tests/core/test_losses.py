@@ -225,3 +225,25 @@ def test_k_inference_and_errors():
         bb.InfoNCE(block_size=0)
     with pytest.raises(ConfigError, match="temperature"):
         bb.InfoNCE(temperature=0)
+
+
+def test_corpus_infonce_metrics_do_not_overflow_in_float16():
+    """Counts of negatives over a large corpus exceed float16's 65,504: summed in float32."""
+    torch.manual_seed(0)
+    common = torch.randn(8) * 3  # similar documents: similarities near 0.9, sums past 65,504
+    corpus = torch.nn.functional.normalize(torch.randn(20_000, 8) + common, dim=-1)
+    q = torch.nn.functional.normalize(torch.randn(8, 8) + common, dim=-1)
+    target = torch.arange(8)
+    full = bb.CorpusInfoNCE(corpus, temperature=0.05)(q, target)
+    half = bb.CorpusInfoNCE(corpus.half(), temperature=0.05)(q.half(), target)
+    for k in ("pos_sim", "neg_sim", "margin"):
+        assert torch.isfinite(half.metrics[k]), k
+        assert abs(float(half.metrics[k]) - float(full.metrics[k])) < 1e-2, k
+
+
+def test_corpus_infonce_checks_other_positives():
+    loss = bb.CorpusInfoNCE(torch.randn(5, 4))
+    with pytest.raises(bb.ShapeError, match="other_positives out of range"):
+        loss(torch.randn(3, 4), torch.arange(3), other_positives=torch.tensor([[0, 5]]))
+    with pytest.raises(bb.ShapeError, match=r"must be \(M, 2\)"):
+        loss(torch.randn(3, 4), torch.arange(3), other_positives=torch.tensor([0, 1, 2]))

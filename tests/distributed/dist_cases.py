@@ -389,6 +389,12 @@ ERROR_CASES = {
         lambda r: {"query": _rows(3), "positive_index": torch.arange(3 - r)},
         towers=lambda lin: {"query": lin},
         loss_fn=bb.CorpusInfoNCE(torch.randn(5, 4, dtype=DT))),
+    # ... and rank 1's other_positives names a corpus row that does not exist
+    "bad_other_positives_one_rank": lambda: _step_error(
+        lambda r: {"query": _rows(3), "positive_index": torch.arange(3),
+                   "other_positives": torch.tensor([[0, 4 if r == 0 else 50]])},
+        towers=lambda lin: {"query": lin},
+        loss_fn=bb.CorpusInfoNCE(torch.randn(5, 4, dtype=DT))),
     # plain-function towers without params=: refused before any gradient is written
     "plain_function_without_params": lambda: _step_error(
         lambda r: {"query": _rows(3), "doc": _rows(3)},

@@ -142,6 +142,7 @@ def error_results(tmp_path_factory):
     ("plain_function_without_params", "ConfigError", "tower 'query' is a plain function"),
     ("bad_positive_index_one_rank", "ShapeError", "rank 1: positive_index must have one entry "
                                                   "per query (3)"),
+    ("bad_other_positives_one_rank", "ShapeError", "rank 1: other_positives out of range"),
 ])
 def test_an_error_on_one_rank_is_raised_on_every_rank(error_results, case, error, text):
     """Every rank raises the same bigbatch error at once, before any gradient is written,

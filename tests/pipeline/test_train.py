@@ -342,3 +342,43 @@ def test_resuming_a_finished_run_redoes_nothing(assets, tmp_path, capsys):
     assert sorted(p for p in out.rglob("*") if p.is_file()) == sorted(files)
     assert "already finished (3 of 3 steps" in capsys.readouterr().out
     assert again["steps"] == 3 and again["final"] == first["final"] and "encoder" in again
+
+
+def test_the_final_checkpoint_records_a_best_found_by_the_final_evaluation(assets, tmp_path,
+                                                                           monkeypatch):
+    """The final checkpoint is written before the final evaluation; when that evaluation is
+    the best, the checkpoint is written again so a resume (to train further) knows it."""
+    import bigbatch.evaluate
+
+    calls = []
+
+    def rising(*a, **kw):  # each evaluation better than the last: the final one is the best
+        calls.append(1)
+        return {"ndcg@10": 0.1 * len(calls)}
+
+    monkeypatch.setattr(bigbatch.evaluate, "check_beir_split", lambda *a, **kw: None)
+    monkeypatch.setattr(bigbatch.evaluate, "evaluate_beir", rising)
+    out = tmp_path / "run"
+    summary = train(config(assets, out, eval_data="unused", eval_steps=2, max_steps=4,
+                           save_steps=0))
+    assert summary["best_step"] == 4 and summary["best"] == pytest.approx(0.2)
+    saved = torch.load(out / "checkpoint-000004" / "trainer_state.pt", weights_only=False)
+    assert (saved["state"]["best"], saved["state"]["best_step"]) == (summary["best"], 4)
+
+
+def test_resume_compares_the_training_data_by_resolved_path(assets, tmp_path, monkeypatch):
+    """The same file given another way (relative, from another directory) resumes; another
+    file with the same records does not."""
+    import shutil
+
+    from bigbatch.errors import ConfigError
+
+    tiny, data = assets
+    out = tmp_path / "run"
+    monkeypatch.chdir(Path(data).parent)
+    train(config(assets, out, train_data=Path(data).name), _stop_after=3)  # relative
+    monkeypatch.chdir(tmp_path)
+    train(config(assets, out, train_data=str(data), resume=str(out)), _stop_after=4)
+    copy = shutil.copytree(data, tmp_path / "copy")
+    with pytest.raises(ConfigError, match="was trained on"):
+        train(config(assets, out, train_data=str(copy), resume=str(out)))

@@ -52,11 +52,13 @@ def _resume_path(resume: str) -> Path:
 
 
 # settings that decide which records each step reads: a resume must keep them
-_DATA_KEYS = ("train_data", "train_split", "batch_size", "num_hard_negatives", "seed")
+# (train_data is compared by the resolved path the checkpoint's state records)
+_DATA_KEYS = ("train_split", "batch_size", "num_hard_negatives", "seed")
 
 
 def _check_resume_matches(ckpt: Path, config: TrainConfig, info: D.WorldInfo,
-                          num_records: int, saved_num_records: int | None = None) -> None:
+                          num_records: int, saved_num_records: int | None = None,
+                          saved_train_data: str | None = None) -> None:
     """Refuse to resume from a checkpoint written with other data settings, another number of
     processes or other training records: its data position (epoch, batch index) would then
     name other records, and the run would silently skip or repeat some."""
@@ -66,9 +68,7 @@ def _check_resume_matches(ckpt: Path, config: TrainConfig, info: D.WorldInfo,
     saved = yaml.safe_load(saved_file.read_text()) if saved_file.exists() else {}
     for key in _DATA_KEYS:
         now = getattr(config, key)
-        same = (os.path.realpath(str(saved[key])) == os.path.realpath(str(now))
-                if key == "train_data" and key in saved else saved.get(key, now) == now)
-        if not same:
+        if saved.get(key, now) != now:
             raise ConfigError(f"--resume: {ckpt} was written with {key}={saved[key]!r}, this run "
                               f"has {getattr(config, key)!r}; the saved data position would "
                               f"name other records. Resume with the same {key}")
@@ -76,6 +76,9 @@ def _check_resume_matches(ckpt: Path, config: TrainConfig, info: D.WorldInfo,
     if ranks and ranks != info.world_size:
         raise ConfigError(f"--resume: {ckpt} was written by {ranks} process(es), this run has "
                           f"{info.world_size}; resume with the same number of processes")
+    if saved_train_data is not None and saved_train_data != os.path.realpath(config.train_data):
+        raise ConfigError(f"--resume: {ckpt} was trained on {saved_train_data}, this run reads "
+                          f"{os.path.realpath(config.train_data)}; resume with the same data")
     if saved_num_records is not None and saved_num_records != num_records:
         raise ConfigError(f"--resume: {ckpt} was trained on {saved_num_records} records, "
                           f"{config.train_data} now holds {num_records}; the data changed")
@@ -95,7 +98,7 @@ def _gather_rng_states(info: D.WorldInfo) -> list[dict[str, Any]]:
 # how long the other ranks wait while the main rank evaluates, embeds a corpus or writes
 # a checkpoint alone: --dist-timeout bounds collectives, not how long an evaluation may take
 MAIN_RANK_WAIT = timedelta(days=2)
-_wait_groups: dict[int, Any] = {}
+_wait: list[Any] = [None, None]  # [the default group it was made for, the wait group]
 
 
 def _wait_group() -> Any:
@@ -103,10 +106,9 @@ def _wait_group() -> Any:
     default group, on every rank at the same point: its first use)."""
     import torch.distributed as dist
 
-    key = id(dist.group.WORLD)
-    if key not in _wait_groups:
-        _wait_groups[key] = dist.new_group(backend="gloo", timeout=MAIN_RANK_WAIT)
-    return _wait_groups[key]
+    if _wait[0] is not dist.group.WORLD:  # holding the group keeps its identity unique
+        _wait[:] = [dist.group.WORLD, dist.new_group(backend="gloo", timeout=MAIN_RANK_WAIT)]
+    return _wait[1]
 
 
 def _barrier(info: D.WorldInfo) -> None:
@@ -338,14 +340,17 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
                       cross_device=corpus is None)
 
     state: dict[str, Any] = {"step": 0, "epoch": 0, "index": 0, "best": None, "best_step": None,
-                             "examples": 0, "base_metrics": None, "num_records": len(records)}
+                             "examples": 0, "base_metrics": None, "num_records": len(records),
+                             "train_data": os.path.realpath(config.train_data)}
     if config.resume:
         ckpt = _resume_path(config.resume)
         _check_resume_matches(ckpt, config, info, len(records))
         state = load_checkpoint(ckpt, encoder=encoder, loss_fn=loss_fn, optimizer=optimizer,
                                 scheduler=scheduler, scaler=scaler, rank=info.rank)
-        _check_resume_matches(ckpt, config, info, len(records), state.get("num_records"))
+        _check_resume_matches(ckpt, config, info, len(records), state.get("num_records"),
+                              state.get("train_data"))
         state["num_records"] = len(records)
+        state["train_data"] = os.path.realpath(config.train_data)
         if info.is_main:  # later checkpoints of the timeline left behind would outrank ours
             abandon_later_checkpoints(out, state["step"])
         if (done := finished_run(out, state["step"], max_steps, announce=info.is_main)):
@@ -393,19 +398,20 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
 
     lower_is_better = config.best_metric.removeprefix("unseen/") in LOWER_IS_BETTER
 
-    def consider_best(metrics: dict[str, float] | None, step: int) -> None:
+    def consider_best(metrics: dict[str, float] | None, step: int) -> bool:
         """Save ``best/`` when ``metrics`` (the same on every rank) improve on the best so far
         (a NaN never counts as better)."""
         if metrics is None:
-            return
+            return False
         value = metrics.get(config.best_metric)
         if value is None or math.isnan(value):
-            return
+            return False
         best = state["best"]
         better = best is None or (value < best if lower_is_better else value > best)
         if better:
             state["best"], state["best_step"] = value, step
             save(out / "best")
+        return better
 
     t_start = time.time()
     if not config.resume and config.eval_at_start:
@@ -477,7 +483,8 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
     _barrier(info)
     if state["step"] >= max_steps and last_eval_step != state["step"]:
         last_metrics = evaluate(state["step"])
-        consider_best(last_metrics, state["step"])
+        if consider_best(last_metrics, state["step"]):  # the final checkpoint records it
+            save(out / f"checkpoint-{state['step']:06d}")
     if info.is_main:
         if (out / "metrics.jsonl").exists():
             plot_metrics(out / "metrics.jsonl", out / "training_curves.png")
