@@ -56,9 +56,7 @@ def _resume_path(resume: str) -> Path:
 _DATA_KEYS = ("train_split", "batch_size", "num_hard_negatives", "seed")
 
 
-def _check_resume_matches(ckpt: Path, config: TrainConfig, info: D.WorldInfo,
-                          num_records: int, saved_num_records: int | None = None,
-                          saved_train_data: str | None = None) -> None:
+def _check_resume_matches(ckpt: Path, config: TrainConfig, info: D.WorldInfo) -> None:
     """Refuse to resume from a checkpoint written with other data settings, another number of
     processes or other training records: its data position (epoch, batch index) would then
     name other records, and the run would silently skip or repeat some."""
@@ -76,6 +74,13 @@ def _check_resume_matches(ckpt: Path, config: TrainConfig, info: D.WorldInfo,
     if ranks and ranks != info.world_size:
         raise ConfigError(f"--resume: {ckpt} was written by {ranks} process(es), this run has "
                           f"{info.world_size}; resume with the same number of processes")
+
+
+def _check_resumed_data(ckpt: Path, config: TrainConfig, num_records: int,
+                        state: dict[str, Any]) -> None:
+    """After loading: the checkpoint's state must name the same training file (resolved
+    path) and record count as this run."""
+    saved_train_data, saved_num_records = state.get("train_data"), state.get("num_records")
     if saved_train_data is not None and saved_train_data != os.path.realpath(config.train_data):
         raise ConfigError(f"--resume: {ckpt} was trained on {saved_train_data}, this run reads "
                           f"{os.path.realpath(config.train_data)}; resume with the same data")
@@ -344,11 +349,10 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
                              "train_data": os.path.realpath(config.train_data)}
     if config.resume:
         ckpt = _resume_path(config.resume)
-        _check_resume_matches(ckpt, config, info, len(records))
+        _check_resume_matches(ckpt, config, info)
         state = load_checkpoint(ckpt, encoder=encoder, loss_fn=loss_fn, optimizer=optimizer,
                                 scheduler=scheduler, scaler=scaler, rank=info.rank)
-        _check_resume_matches(ckpt, config, info, len(records), state.get("num_records"),
-                              state.get("train_data"))
+        _check_resumed_data(ckpt, config, len(records), state)
         state["num_records"] = len(records)
         state["train_data"] = os.path.realpath(config.train_data)
         if info.is_main:  # later checkpoints of the timeline left behind would outrank ours
