@@ -8,7 +8,9 @@ all-MiniLM-L6-v2 on SciFact test, 0.6451 nDCG@10 at max length 256).
 Definitions (as trec_eval / pytrec_eval, which BEIR and MTEB use):
     nDCG@k = DCG@k / IDCG@k, DCG@k = sum_{i<=k} rel_i / log2(i + 1) (linear gain),
     Recall@k = |relevant in top k| / |relevant|, MRR@k = 1 / rank of the first relevant
-    document in the top k (0 if none), each averaged over queries.
+    document in the top k (0 if none), each averaged over queries. Documents of equal score
+    are ranked as trec_eval ranks them: by document id in descending string order, so a run
+    with tied scores (duplicate documents) gives the numbers pytrec_eval gives.
     pos_sim: mean similarity of (query, relevant document) pairs; neg_sim: mean over queries
     of the mean similarity to all non-relevant documents; margin = pos_sim - neg_sim.
 """
@@ -59,6 +61,27 @@ def retrieval_metrics(ranked: Mapping[str, Sequence[str]],
     return {k: v / n if n else float("nan") for k, v in sums.items()} | {"queries": float(n)}
 
 
+def _top_ranked(sims: Tensor, doc_ids: Sequence[str], k: int) -> list[list[str]]:
+    """The ``k`` best document ids of each row of ``sims`` (a block of queries x all
+    documents), best first, with ties ordered as trec_eval orders them (score descending,
+    then document id descending), including ties that straddle the k-th place."""
+    vals, idx = sims.topk(k, dim=1)
+    kth = vals[:, -1:]
+    straddle = ((sims >= kth).sum(1) > k).tolist()
+    vals_l, idx_l = vals.tolist(), idx.tolist()
+    out = []
+    for row in range(sims.shape[0]):
+        if straddle[row]:
+            cols = (sims[row] >= kth[row]).nonzero().squeeze(1)
+            pairs = list(zip(sims[row, cols].tolist(), cols.tolist()))
+        else:
+            pairs = list(zip(vals_l[row], idx_l[row]))
+        pairs.sort(key=lambda p: doc_ids[p[1]], reverse=True)
+        pairs.sort(key=lambda p: p[0], reverse=True)  # stable: equal scores keep id order
+        out.append([doc_ids[j] for _, j in pairs[:k]])
+    return out
+
+
 def evaluate_retrieval(query_emb: Tensor, doc_emb: Tensor, query_ids: Sequence[str],
                        doc_ids: Sequence[str], qrels: Mapping[str, Mapping[str, int]],
                        top_k: int = 10, block: int = 256) -> dict[str, float]:
@@ -71,10 +94,10 @@ def evaluate_retrieval(query_emb: Tensor, doc_emb: Tensor, query_ids: Sequence[s
     k = min(top_k, d.shape[0])
     for lo in range(0, len(query_ids), block):
         sims = query_emb[lo:lo + block].float() @ d.T
-        top = sims.topk(k, dim=1).indices.tolist()
+        top = _top_ranked(sims, doc_ids, k) if k else [[] for _ in range(sims.shape[0])]
         totals = sims.sum(1).tolist()
         for row, qid in enumerate(query_ids[lo:lo + block]):
-            ranked[qid] = [doc_ids[j] for j in top[row]]
+            ranked[qid] = top[row]
             rel = [doc_index[x] for x, r in qrels.get(qid, {}).items() if r > 0 and x in doc_index]
             if not rel:
                 continue
@@ -102,6 +125,18 @@ def unseen_query_ids(root: str | Path, split: str = "test", seen_split: str = "t
     qrels = load_qrels(Path(root) / "qrels" / f"{split}.tsv")
     return sorted(q for q, rels in qrels.items()
                   if not any(d in seen for d, r in rels.items() if r > 0))
+
+
+def _check_qrels_in_corpus(qrels: Mapping[str, Mapping[str, int]], corpus_ids: set[str],
+                           split: str, corpus: Path) -> None:
+    """DataError when a document the qrels judge is not in the corpus (its metrics would be
+    silently wrong: a relevant document that can never be retrieved)."""
+    missing = sorted({d for rel in qrels.values() for d in rel if d not in corpus_ids})
+    if missing:
+        from .errors import DataError
+
+        raise DataError(f"{len(missing)} corpus ids of qrels/{split}.tsv are not in corpus.jsonl "
+                        f"(first: {missing[0]!r})", path=str(corpus))
 
 
 def check_beir_split(root: str | Path, split: str = "test",
@@ -134,10 +169,7 @@ def check_beir_split(root: str | Path, split: str = "test",
             raise DataError(problem or "missing key", path=str(corpus), line=n,
                             field=None if problem else "_id")
         ids.add(str(rec["_id"]))
-    missing = sorted({d for rel in qrels.values() for d in rel if d not in ids})
-    if missing:
-        raise DataError(f"{len(missing)} corpus ids of qrels/{split}.tsv are not in corpus.jsonl "
-                        f"(first: {missing[0]!r})", path=str(corpus))
+    _check_qrels_in_corpus(qrels, ids, split, corpus)
     if metric is not None and metric.startswith("unseen/") and \
             not unseen_query_ids(root, split, "train"):
         raise DataError(f"the metric {metric!r} needs queries of {split} whose relevant "
@@ -160,12 +192,7 @@ def evaluate_beir(encoder: Any, root: str | Path, split: str = "test", batch_siz
     queries = load_queries(root / "queries.jsonl", set(qrels))
     doc_ids, doc_emb = embed_corpus(encoder, root / "corpus.jsonl", batch_size=batch_size,
                                     device=device, cache_dir=cache_dir, progress=progress)
-    known = set(doc_ids)
-    missing = sorted({d for rel in qrels.values() for d in rel if d not in known})
-    if missing:
-        from .errors import DataError
-        raise DataError(f"{len(missing)} corpus ids of qrels/{split}.tsv are not in corpus.jsonl "
-                        f"(first: {missing[0]!r})", path=str(root / "corpus.jsonl"))
+    _check_qrels_in_corpus(qrels, set(doc_ids), split, root / "corpus.jsonl")
     query_ids = list(queries)
     query_emb = encoder.encode([queries[q] for q in query_ids], kind="query",
                                batch_size=batch_size, device=device,

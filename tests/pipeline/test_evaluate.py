@@ -79,3 +79,38 @@ def test_check_beir_split_finds_what_evaluation_would_fail_on(tmp_path):
     check_beir_split(bad, "test", "ndcg@10")
     with pytest.raises(DataError, match="unseen/ndcg@10"):
         check_beir_split(bad, "test", "unseen/ndcg@10")
+
+
+def test_tied_scores_rank_as_pytrec_eval_ranks_them():
+    """Duplicate documents score exactly alike; the top 10 and every metric must be those
+    trec_eval gives (ties by document id, descending), also where a tie straddles rank 10."""
+    pytrec_eval = pytest.importorskip("pytrec_eval")
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randint(-3, 4, (12, 8), generator=gen).double()
+    docs = torch.cat([base, base[:6], base[:6]])          # 24 documents, many exact ties
+    doc_ids = [f"d{i:02d}" for i in torch.randperm(24, generator=gen).tolist()]
+    queries = torch.randint(-3, 4, (20, 8), generator=gen).double()
+    query_ids = [f"q{i}" for i in range(20)]
+    qrels = {q: {doc_ids[j]: 1 + (j % 2) for j in torch.randperm(24, generator=gen)[:3].tolist()}
+             for q in query_ids}
+    sims = queries @ docs.T
+    assert (sims == sims[:, :1]).sum() > 20  # the data really has ties
+    ours = evaluate_retrieval(queries, docs, query_ids, doc_ids, qrels)
+    run = {q: {d: float(sims[i, j]) for j, d in enumerate(doc_ids)}
+           for i, q in enumerate(query_ids)}
+    ref = pytrec_eval.RelevanceEvaluator(
+        qrels, {"ndcg_cut_10", "recall_1", "recall_5", "recall_10", "recip_rank"}).evaluate(run)
+    mean = {m: sum(r[m] for r in ref.values()) / len(ref) for m in next(iter(ref.values()))}
+    assert ours["ndcg@10"] == pytest.approx(mean["ndcg_cut_10"], abs=1e-12)
+    for k in (1, 5, 10):
+        assert ours[f"recall@{k}"] == pytest.approx(mean[f"recall_{k}"], abs=1e-12)
+    mrr10 = sum(r["recip_rank"] if r["recip_rank"] >= 0.1 else 0.0 for r in ref.values()) / 20
+    assert ours["mrr@10"] == pytest.approx(mrr10, abs=1e-12)
+
+
+def test_top_ranked_orders_ties_by_descending_id_across_the_cutoff():
+    from bigbatch.evaluate import _top_ranked
+
+    sims = torch.tensor([[0.5, 0.9, 0.5, 0.5, 0.1]])
+    assert _top_ranked(sims, ["a", "b", "c", "d", "e"], 2) == [["b", "d"]]
+    assert _top_ranked(sims, ["a", "b", "c", "d", "e"], 4) == [["b", "d", "c", "a"]]

@@ -3,7 +3,8 @@
 The corpus file is read in blocks of ``block`` documents, each embedded and appended, so
 only embeddings (not texts) stay in memory. The cache key combines the model's files
 (names, sizes, modification times), the encoder's settings (pooling, prefixes, length) and
-the corpus file's identity, so a changed model or corpus is never served stale vectors.
+the corpus file's identity, and for a corpus of page images the identity of every image it
+names, so a changed model, corpus or image is never served stale vectors.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from ..errors import DataError
 
 __all__ = ["iter_corpus", "corpus_texts", "embed_corpus", "default_cache_dir", "encoder_key",
+           "corpus_key",
            "save_embeddings", "load_embeddings"]
 
 
@@ -69,6 +71,43 @@ def _files_key(path: Path) -> list[Any]:
              p.stat().st_mtime_ns) for p in files]
 
 
+def _names_images(path: Path, window: int = 1 << 20) -> bool:
+    """Whether the file contains the key ``"image"`` at all (a byte scan: a text corpus needs
+    no parsing pass for its cache key)."""
+    needle = b'"image"'
+    tail = b""
+    with open(path, "rb") as f:
+        while chunk := f.read(window):
+            if needle in tail + chunk:
+                return True
+            tail = chunk[-(len(needle) - 1):]
+    return False
+
+
+def corpus_key(path: str | Path) -> list[Any]:
+    """What identifies a corpus's documents: the corpus file (path, size, modification time)
+    and, when its records name page images, a digest of each image's path, size and
+    modification time (an image replaced in place changes the key)."""
+    from .beir import corpus_doc
+    from .jsonl import iter_jsonl
+
+    path = Path(path)
+    key: list[Any] = [str(path.resolve()), _files_key(path)]
+    if path.is_file() and _names_images(path):
+        digest = hashlib.sha256()
+        for _, rec, problem in iter_jsonl(path):
+            if problem is not None:
+                continue  # reported with file and line when the corpus is read
+            doc = corpus_doc(rec, path.parent)
+            if not isinstance(doc, str):
+                image = Path(doc.path)
+                stat = image.stat() if image.exists() else None
+                digest.update(json.dumps([doc.path, stat and stat.st_size,
+                                          stat and stat.st_mtime_ns]).encode())
+        key.append(digest.hexdigest())
+    return key
+
+
 def encoder_key(encoder: Any) -> dict[str, Any]:
     """What identifies an encoder's embeddings: its files and settings."""
     if hasattr(encoder, "cache_key"):
@@ -93,8 +132,7 @@ def embed_corpus(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
     cache = None
     if cache_dir:
         key = hashlib.sha256(json.dumps({"encoder": encoder_key(encoder),
-                                         "corpus": [str(corpus_path.resolve()),
-                                                    _files_key(corpus_path)]},
+                                         "corpus": corpus_key(corpus_path)},
                                         sort_keys=True, default=str).encode()).hexdigest()[:24]
         cache = Path(cache_dir) / "embeddings" / f"{key}.pt"
     cached = load_embeddings(cache) if cache is not None else None
@@ -132,5 +170,5 @@ def load_embeddings(path: Path) -> tuple[list[str], torch.Tensor] | None:
     """(ids, embeddings) written by :func:`save_embeddings`, or None when there is none."""
     if not path.exists():
         return None
-    blob = torch.load(path, weights_only=False)
+    blob = torch.load(path, weights_only=True)  # ids and a tensor: no pickled code runs
     return blob["ids"], blob["emb"]
