@@ -114,3 +114,20 @@ def test_top_ranked_orders_ties_by_descending_id_across_the_cutoff():
     sims = torch.tensor([[0.5, 0.9, 0.5, 0.5, 0.1]])
     assert _top_ranked(sims, ["a", "b", "c", "d", "e"], 2) == [["b", "d"]]
     assert _top_ranked(sims, ["a", "b", "c", "d", "e"], 4) == [["b", "d", "c", "a"]]
+
+
+def test_qrels_with_a_byte_order_mark_and_crlf_read(tmp_path):
+    from bigbatch.data.beir import load_qrels
+
+    p = tmp_path / "qrels.tsv"
+    p.write_bytes(b"\xef\xbb\xbfquery-id\tcorpus-id\tscore\r\nq1\td1\t1\r\nq2\td2\t2.0\r\n")
+    assert load_qrels(p) == {"q1": {"d1": 1}, "q2": {"d2": 2}}
+
+
+def test_a_fractional_qrels_score_is_an_error_not_truncated(tmp_path):
+    from bigbatch.data.beir import load_qrels
+
+    p = tmp_path / "qrels.tsv"
+    p.write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t0.5\n")
+    with pytest.raises(DataError, match=r"qrels.tsv:3.*score.*not an integer"):
+        load_qrels(p)

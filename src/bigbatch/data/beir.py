@@ -56,12 +56,14 @@ def _read_jsonl(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict]]
 
 
 def load_qrels(path: str | Path) -> dict[str, dict[str, int]]:
-    """``{query_id: {doc_id: relevance}}`` from a BEIR qrels TSV (header line skipped)."""
+    """``{query_id: {doc_id: relevance}}`` from a BEIR qrels TSV (header line skipped; a
+    UTF-8 byte-order mark is skipped too). Relevance is an integer grade, as trec_eval and
+    BEIR read it: a fractional score is an error rather than silently truncated."""
     path = Path(path)
     if not path.exists():
         raise DataError("qrels file not found", path=str(path))
     qrels: dict[str, dict[str, int]] = {}
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:
         for n, row in enumerate(csv.reader(f, delimiter="\t"), 1):
             if n == 1 and row and row[0] in ("query-id", "query_id", "qid"):
                 continue
@@ -71,10 +73,15 @@ def load_qrels(path: str | Path) -> dict[str, dict[str, int]]:
                 raise DataError("expected query-id<TAB>corpus-id<TAB>score", path=str(path),
                                 line=n)
             try:
-                score = int(float(row[2]))
+                value = float(row[2])
             except ValueError as e:
                 raise DataError(f"score {row[2]!r} is not a number", path=str(path), line=n,
                                 field="score") from e
+            if not value.is_integer():
+                raise DataError(f"score {row[2]!r} is not an integer relevance grade "
+                                f"(trec_eval and BEIR read grades as integers; round them "
+                                f"first)", path=str(path), line=n, field="score")
+            score = int(value)
             qrels.setdefault(row[0], {})[row[1]] = score
     return qrels
 

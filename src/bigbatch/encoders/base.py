@@ -121,8 +121,12 @@ class EncoderBase:
     def _enable_gradient_checkpointing(self) -> None:
         """Recompute activations in backward (non-reentrant, so it composes with the cache's
         replay); under LoRA the frozen embeddings' outputs must still require grad."""
-        self.model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(self.model, "activation_checkpointing_enable", None)
+        if enable is not None:  # transformers 5.x's name; the old one warns and goes in v6
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.is_lora:
             self.model.enable_input_require_grads()
 
