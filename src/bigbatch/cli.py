@@ -298,6 +298,14 @@ def _convert(args: argparse.Namespace) -> int:
           f"{args.dst_format} to {args.output}" +
           (f"; dropped {report['dropped']}: {'; '.join(report['dropped_reasons'])}"
            if report["dropped"] else ""))
+    if report["system_prompts_dropped"]:
+        print(f"system prompts not written ({args.dst_format} has no field for them): "
+              f"{report['system_prompts_dropped']} record(s)")
+    for side, prompt in report["system_prompts"].items():
+        flag = "query" if side == "query" else "doc"
+        print(f"note: the records' {side} system prompt {prompt!r} is not written "
+              f"({args.dst_format} has no field for it); train with --{flag}-instruction "
+              f"{prompt!r} (vision-language) or --{flag}-prefix {prompt + ' '!r} (text)")
     return 0
 
 

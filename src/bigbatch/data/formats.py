@@ -9,9 +9,14 @@ Formats (``--from`` / ``--to`` names):
   ``positive_messages`` / ``negative_messages`` (one conversation per document, the user
   turn holding the text, or ``<image>`` and the text that goes with the image) with
   ``positive_images`` / ``negative_images``, and the ids as ``query_id`` / ``positive_id`` /
-  ``negative_ids``. A query image, several images in a document, text before ``<image>``
-  and images without an ``<image>`` tag cannot be held (reported, as below). System
-  instructions are not read: they are written from the instruction options.
+  ``negative_ids``. A query image, several images in a document, text before ``<image>``,
+  images without an ``<image>`` tag, video and audio, and conversations of more than one
+  user turn (assistant or tool turns) cannot be held (reported, as below). Each
+  conversation's system message is read as its instruction and written back as it was
+  (records of other formats get the instruction options); bigbatch applies one instruction
+  per side, so records whose system prompts differ are reported, and a format without an
+  instruction field (``contrastors``, ``st``, ``beir``) takes the prompts only with
+  ``--allow-lossy`` (a single prompt per side is named in the report instead).
 - ``st``: sentence-transformers columns ``anchor``, ``positive``, ``negative_1..k``, as
   JSONL (``.jsonl``) or Parquet (``.parquet``). Text only.
 - ``beir``: a BEIR directory (``corpus.jsonl``, ``queries.jsonl``, ``qrels/<split>.tsv``).
@@ -28,6 +33,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,7 +43,8 @@ from ..errors import DataError
 from .images import ImageDoc
 
 __all__ = ["Doc", "Record", "FORMATS", "read_records", "write_records", "detect_format",
-           "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION", "Problem"]
+           "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION", "Problem", "instruction_problems",
+           "system_prompts"]
 
 # the seed's instructions (train_contrastors.py and convert_data_for_swift.py)
 SWIFT_QUERY_INSTRUCTION = "Retrieve images or text relevant to the user's query."
@@ -56,6 +63,9 @@ class Doc:
     id: str | None = None
     # the source field ('chunk_path', 'negative_images[1][0]', 'negative_2'), for messages
     key: str | None = field(default=None, compare=False)
+    # the document's system prompt (swift): None where the format has none, "" for a swift
+    # conversation without a system message
+    system: str | None = field(default=None, compare=False)
 
     @property
     def kind(self) -> str:
@@ -78,6 +88,9 @@ class Record:
     # (field, what) the reader found but a Record cannot hold (a query image, ...): writing
     # the record is lossy, and validate and training report it
     lost: list[tuple[str, str]] = field(default_factory=list)
+    # the query's system prompt (swift): None where the format has none, "" for a swift
+    # conversation without a system message
+    query_system: str | None = None
 
 
 @dataclass
@@ -198,22 +211,54 @@ def _with_ids(rec: dict, pos: Doc, negs: list[Doc]) -> tuple[Doc, list[Doc]]:
 
 
 _IMAGE_TAG = "<image>"
+_MEDIA_TAGS = ("<video>", "<audio>")
+
+
+def _swift_turn(conv: Any, key: str, where: tuple[str, int], problems: list[Problem],
+                lost: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """(system prompt, user content) of one swift conversation; the system prompt is "" when
+    the conversation has none. A malformed conversation is a problem (and None). What one
+    user turn cannot hold (assistant or tool turns, several user turns, several system
+    messages, video or audio) is added to ``lost``: bigbatch embeds one user turn, where
+    ms-swift would embed the whole conversation through its template."""
+    if not isinstance(conv, list):
+        problems.append(Problem(where[0], where[1], key, "must be a list of messages"))
+        return None
+    for i, m in enumerate(conv):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                or not isinstance(m.get("content"), str):
+            problems.append(Problem(where[0], where[1], f"{key}[{i}]", "a message needs a "
+                                    "'role' and a text 'content'"))
+            return None
+    roles = [m["role"] for m in conv]
+    users = [m for m in conv if m["role"] == "user"]
+    systems = [m for m in conv if m["role"] == "system"]
+    if not users:
+        problems.append(Problem(where[0], where[1], key, "needs a user message"))
+        return None
+    if len(users) > 1 or len(users) + len(systems) < len(conv):
+        lost.append((key, f"a multi-turn conversation (roles {', '.join(roles)}; bigbatch "
+                          f"embeds one user turn, with an optional system message)"))
+    elif len(systems) > 1 or (systems and roles[0] != "system"):
+        lost.append((key, "system messages other than one leading the conversation"))
+    content = users[0]["content"]
+    for tag in _MEDIA_TAGS:
+        if tag in content:
+            lost.append((key, f"a {tag} tag (bigbatch embeds text and images)"))
+    return (systems[0]["content"] if systems else ""), content
 
 
 def _swift_doc(conv: Any, images: Any, key: str, where: tuple[str, int],
                problems: list[Problem], lost: list[tuple[str, str]]) -> Doc | None:
     """One swift document conversation: text, or an image (``<image>`` leading the user turn,
-    one path in ``images``) with the text that follows it. What a :class:`Doc` cannot hold
-    (several images, text before the image, images without an ``<image>`` tag) is added to
-    ``lost`` as (field, what); a malformed document is a problem (and None)."""
-    if not isinstance(conv, list):
-        problems.append(Problem(where[0], where[1], key, "must be a list of messages"))
+    one path in ``images``) with the text that follows it, and its system prompt. What a
+    :class:`Doc` cannot hold (several images, text before the image, images without an
+    ``<image>`` tag, several turns) is added to ``lost`` as (field, what); a malformed
+    document is a problem (and None)."""
+    turn = _swift_turn(conv, key, where, problems, lost)
+    if turn is None:
         return None
-    user = [m for m in conv if isinstance(m, dict) and m.get("role") == "user"]
-    if len(user) != 1 or not isinstance(user[0].get("content"), str):
-        problems.append(Problem(where[0], where[1], key, "needs exactly one user message"))
-        return None
-    content = user[0]["content"]
+    system, content = turn
     images_key = key.replace("messages", "images")
     tags = content.count(_IMAGE_TAG)
     paths = [] if images is None else images if isinstance(images, list) else None
@@ -231,13 +276,18 @@ def _swift_doc(conv: Any, images: Any, key: str, where: tuple[str, int],
         if not content.strip():
             problems.append(Problem(where[0], where[1], key, "empty document text"))
             return None
-        return Doc(text=content, key=key)
+        return Doc(text=content, key=key, system=system)
     if tags > 1:
         lost.append((images_key, f"{tags} images in one document (a document holds one)"))
     elif not content.lstrip().startswith(_IMAGE_TAG):
         lost.append((key, "text before <image> (an image document's text follows its image)"))
     text = content.replace(_IMAGE_TAG, " ").strip()
-    return Doc(image=paths[0], text=text or None, key=f"{images_key}[0]")
+    return Doc(image=paths[0], text=text or None, key=f"{images_key}[0]", system=system)
+
+
+# swift media fields bigbatch has no document kind for
+_SWIFT_MEDIA_KEYS = tuple(f"{side}{kind}" for side in ("", "positive_", "negative_")
+                          for kind in ("videos", "audios"))
 
 
 def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
@@ -245,33 +295,41 @@ def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
     for n, rec in _jsonl(path, problems):
         w = (str(path), n)
         lost: list[tuple[str, str]] = []
-        msgs = rec.get("messages")
-        query = None
-        if not isinstance(msgs, list):
-            problems.append(Problem(str(path), n, "messages", "missing or not a list"))
-        else:
-            user = [m for m in msgs if isinstance(m, dict) and m.get("role") == "user"]
-            if len(user) != 1 or not isinstance(user[0].get("content"), str) \
-                    or not user[0]["content"].strip():
-                problems.append(Problem(str(path), n, "messages", "needs one non-empty user "
-                                        "message (the query)"))
-            else:
-                query = user[0]["content"]
-                if _IMAGE_TAG in query or rec.get("images"):
-                    lost.append(("images" if rec.get("images") else "messages",
-                                 "an image in the query (queries are text)"))
+        query = query_system = None
+        turn = _swift_turn(rec.get("messages"), "messages", w, problems, lost) \
+            if "messages" in rec else None
+        if "messages" not in rec:
+            problems.append(Problem(str(path), n, "messages", "missing"))
+        elif turn is not None and not turn[1].strip():
+            problems.append(Problem(str(path), n, "messages", "needs one non-empty user "
+                                    "message (the query)"))
+        elif turn is not None:
+            query_system, query = turn
+            if _IMAGE_TAG in query or rec.get("images"):
+                lost.append(("images" if rec.get("images") else "messages",
+                             "an image in the query (queries are text)"))
+        for key in _SWIFT_MEDIA_KEYS:
+            if rec.get(key):
+                lost.append((key, f"{key.rsplit('_', 1)[-1]} (bigbatch embeds text and images)"))
         pos_convs = rec.get("positive_messages")
         pos = None
+        pos_imgs = rec.get("positive_images")
         if not isinstance(pos_convs, list) or len(pos_convs) != 1:
             problems.append(Problem(str(path), n, "positive_messages", "must hold exactly one "
                                     "conversation"))
+        elif pos_imgs is not None and (not isinstance(pos_imgs, list) or len(pos_imgs) != 1):
+            problems.append(Problem(str(path), n, "positive_images", "must hold one list of "
+                                    "image paths, for the one positive conversation"))
         else:
-            imgs = (rec.get("positive_images") or [[]])[0]
+            imgs = (pos_imgs or [[]])[0]
             pos = _swift_doc(pos_convs[0], imgs, "positive_messages[0]", w, problems, lost)
         negs = []
         neg_convs = rec.get("negative_messages") or []
         neg_imgs = rec.get("negative_images") or [[] for _ in neg_convs]
-        if len(neg_imgs) != len(neg_convs):
+        if not isinstance(neg_convs, list):
+            problems.append(Problem(str(path), n, "negative_messages", "must be a list of "
+                                    "conversations"))
+        elif not isinstance(neg_imgs, list) or len(neg_imgs) != len(neg_convs):
             problems.append(Problem(str(path), n, "negative_images", "one list per negative "
                                     "conversation"))
         else:
@@ -283,7 +341,7 @@ def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
             pos, negs = _with_ids(rec, pos, negs)
             qid = rec.get("query_id")
             out.append(Record(query, pos, negs, None if qid is None else str(qid), n, str(path),
-                              lost))
+                              lost, query_system))
     return out
 
 
@@ -360,6 +418,58 @@ def read_records(path: str | Path, fmt: str | None = None, split: str = "train"
     return recs, problems
 
 
+def _short(text: str, n: int = 60) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
+
+
+def _doc_system(r: Record) -> str | None:
+    return r.positive.system
+
+
+def instruction_problems(records: list[Record]) -> list[Problem]:
+    """System prompts (swift) that bigbatch cannot apply as they are: bigbatch gives every
+    query one instruction and every document one (``--query-instruction`` /
+    ``--doc-instruction``, or ``--query-prefix`` / ``--doc-prefix`` for text models), where
+    ms-swift applies each conversation's own system message. So a record's documents must
+    carry the same system prompt, and every record the file's usual one for each side; each
+    record that does not is a problem naming its line and field."""
+    problems = []
+    for r in records:
+        for d in r.negatives:
+            if d.system is not None and d.system != r.positive.system:
+                problems.append(Problem(r.source, r.line, d.key, f"system prompt "
+                                        f"{_short(d.system)} differs from the positive's "
+                                        f"{_short(r.positive.system or '')}; bigbatch gives "
+                                        f"every document one instruction"))
+    for side, get, field in (("query", lambda r: r.query_system, "messages"),
+                             ("document", _doc_system, "positive_messages[0]")):
+        counts = Counter(get(r) for r in records if get(r) is not None)
+        if len(counts) < 2:
+            continue
+        usual = counts.most_common(1)[0][0]
+        first = next(r.line for r in records if get(r) == usual)
+        for r in records:
+            v = get(r)
+            if v is not None and v != usual:
+                problems.append(Problem(r.source, r.line, field, (
+                    f"{side} system prompt {_short(v)}" if v else f"no {side} system prompt") +
+                    f" where the file's usual one is {_short(usual)} (line {first}); bigbatch "
+                    f"applies one {side} instruction to every record: split the file by "
+                    f"instruction (or fold the instruction into the {side} text)"))
+    return problems
+
+
+def system_prompts(records: list[Record]) -> dict[str, str]:
+    """The system prompts the records carry, per side ("query", "document"), when they carry
+    one (non-empty) and :func:`instruction_problems` finds none."""
+    out = {}
+    for side, get in (("query", lambda r: r.query_system), ("document", _doc_system)):
+        found = {get(r) for r in records} - {None, ""}
+        if len(found) == 1:
+            out[side] = found.pop()
+    return out
+
+
 # ------------------------------------------------------------------ writing
 def _lossy(records: list[Record], fmt: str) -> list[tuple[Record, str]]:
     """What ``fmt`` cannot hold, per record."""
@@ -386,10 +496,17 @@ def _doc_json_contrastors(d: Doc) -> str:
     return d.image or d.path or d.text or ""
 
 
+def _swift_messages(system: str | None, instruction: str, content: str | None) -> list[dict]:
+    """A swift conversation: the record's own system prompt (None: the format had none, so
+    ``instruction``; "": none), then the user turn."""
+    system = instruction if system is None else system
+    return ([{"role": "system", "content": system}] if system else []) + \
+        [{"role": "user", "content": content}]
+
+
 def _swift_conv(d: Doc, instruction: str) -> tuple[list[dict], list[str]]:
     content = _IMAGE_TAG + (d.text or "") if d.image else d.text
-    return ([{"role": "system", "content": instruction}, {"role": "user", "content": content}],
-            [d.image] if d.image else [])
+    return _swift_messages(d.system, instruction, content), [d.image] if d.image else []
 
 
 def _source_folder(r: Record) -> Path | None:
@@ -437,7 +554,21 @@ def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_los
     out_dir = out if fmt == "beir" else out.parent
     keep = [_rebase(r, out_dir) for r in records if id(r) not in dropped]
     report = {"format": fmt, "written": len(keep), "dropped": len(lossy),
-              "dropped_reasons": sorted({why for _, why in lossy})}
+              "dropped_reasons": sorted({why for _, why in lossy}), "system_prompts": {},
+              "system_prompts_dropped": 0}
+    if fmt != "swift":  # per-record system prompts have no field in the target
+        differ = instruction_problems(keep)
+        if differ and not allow_lossy:
+            shown = "\n  ".join(str(p) for p in differ[:10])
+            raise DataError(f"{len(differ)} record(s) carry system prompts that differ, which "
+                            f"{fmt} cannot hold (it has no instruction field):\n  {shown}\n"
+                            f"convert to swift, split the file by instruction, or pass "
+                            f"--allow-lossy to write the records without their system prompts "
+                            f"(counted in the report)")
+        report["system_prompts_dropped"] = sum(
+            any(s for s in (r.query_system, *(d.system for d in (r.positive, *r.negatives))))
+            for r in keep) if differ else 0
+        report["system_prompts"] = {} if differ else system_prompts(keep)
     if fmt == "beir":
         _write_beir(keep, out, split)
         return report
@@ -479,7 +610,7 @@ def _to_json(r: Record, fmt: str, qi: str, di: str) -> dict[str, Any]:
     if fmt == "swift":
         pm, pi = _swift_conv(r.positive, di)
         negs = [_swift_conv(d, di) for d in r.negatives]
-        rec = {"messages": [{"role": "system", "content": qi}, {"role": "user", "content": r.query}],
+        rec = {"messages": _swift_messages(r.query_system, qi, r.query),
                "positive_messages": [pm], "negative_messages": [m for m, _ in negs]}
         if r.positive.image or any(d.image for d in r.negatives):
             rec["positive_images"] = [pi]

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DataError
-from .formats import Doc, Problem, Record, _source_folder, detect_format, read_records
+from .formats import (Doc, Problem, Record, _source_folder, detect_format,
+                      instruction_problems, read_records)
 from .images import IMAGE_SUFFIXES, ImageDoc, check_image
 
-__all__ = ["TrainRecord", "load_jsonl_records", "load_records", "resolve_doc", "resolve_record"]
+__all__ = ["TrainRecord", "load_jsonl_records", "load_records", "resolve_doc", "resolve_record",
+           "check_instructions"]
 
 MAX_REPORTED = 20
 
@@ -40,6 +42,10 @@ class TrainRecord:
     line: int = 0
     query_id: str = ""
     positive_key: str = field(default="", compare=False)
+    # the system prompts the data gives the query and the documents (ms-swift's system
+    # messages): None where the format has none, "" for a conversation without one
+    query_system: str | None = field(default=None, compare=False)
+    doc_system: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         from .images import doc_key
@@ -141,6 +147,7 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
     if not path.exists():
         raise DataError("training data file not found", path=str(path))
     parsed, problems = read_records(path, _file_format(path))
+    problems.extend(instruction_problems(parsed))
     records: list[TrainRecord] = []
     for r in parsed:
         positive, negatives = resolve_record(r, problems)
@@ -149,7 +156,8 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
         positive_id = r.positive.id or ""  # else its content key (TrainRecord decides)
         records.append(TrainRecord(query=r.query, positive=positive, negatives=negatives,
                                    positive_id=positive_id, source=str(path), line=r.line,
-                                   query_id="" if r.query_id is None else str(r.query_id)))
+                                   query_id="" if r.query_id is None else str(r.query_id),
+                                   query_system=r.query_system, doc_system=r.positive.system))
     problems.sort(key=lambda p: p.line or 0)  # file order (stable within a line)
     if problems:
         shown = "\n  ".join(str(p) for p in problems[:MAX_REPORTED])
@@ -186,3 +194,44 @@ def load_records(source: str | Path, split: str = "train", num_hard_negatives: i
                             f"{', ...' if len(short) > 10 else ''})", path=str(source),
                             field="negatives")
     return records
+
+
+def check_instructions(records: list[TrainRecord], encoder: object) -> None:
+    """Check that ``encoder`` gives queries and documents the system prompts the training
+    data carries (ms-swift's system messages, one per side: :func:`load_jsonl_records`
+    refuses records that differ). A vision-language encoder's instruction is the system turn
+    of its prompt, as in ms-swift's Qwen-VL templates, so it must equal the data's; a text
+    encoder's prefix must hold it (ms-swift's Qwen3-Embedding template embeds
+    ``"{system} {text}"``, so ``--query-prefix "{system} "`` reproduces it). Records without
+    a system prompt leave the encoder's settings as they are.
+
+    Raises:
+        ConfigError: naming the option to set and the value the data gives.
+    """
+    from ..errors import ConfigError
+
+    vision = hasattr(encoder, "query_instruction")
+    for side, attr in (("query", "query_system"), ("doc", "doc_system")):
+        found = {getattr(r, attr) for r in records} - {None, ""}
+        if not found:
+            continue
+        data = found.pop()
+        first = next(r for r in records if getattr(r, attr) == data)
+        where = f"{first.source}:{first.line}"
+        if vision:
+            have = getattr(encoder, f"{side}_instruction")
+            if have != data:
+                raise ConfigError(
+                    f"{where}: the training data's {side} system prompt is {data!r}, but the "
+                    f"encoder's instruction is {have!r}; pass --{side}-instruction {data!r} "
+                    f"(ms-swift applies the data's system prompt), or remove the system "
+                    f"messages from the data")
+        else:
+            have = getattr(encoder, f"{side}_prefix", "")
+            if data.strip() not in have:
+                raise ConfigError(
+                    f"{where}: the training data's {side} system prompt is {data!r}, but the "
+                    f"encoder's --{side}-prefix is {have!r}; pass --{side}-prefix "
+                    f"{data + ' '!r} (ms-swift's Qwen3-Embedding template puts the system "
+                    f"prompt and a space before the text), or remove the system messages "
+                    f"from the data")
