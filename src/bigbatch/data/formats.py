@@ -117,7 +117,7 @@ def detect_format(path: str | Path) -> str:
         return "beir"
     if path.suffix == ".parquet":
         return "st"
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # the reader reports bad bytes
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:  # the reader reports bad bytes
         for line in f:
             if line.strip():
                 try:
