@@ -18,7 +18,11 @@ Formats (``--from`` / ``--to`` names):
   instruction field (``contrastors``, ``st``, ``beir``) takes the prompts only with
   ``--allow-lossy`` (a single prompt per side is named in the report instead).
 - ``st``: sentence-transformers columns ``anchor``, ``positive``, ``negative_1..k``, as
-  JSONL (``.jsonl``) or Parquet (``.parquet``). Text only.
+  JSONL (``.jsonl``) or Parquet (``.parquet``). Text only. Without an ``anchor`` column the
+  columns are read by position, as sentence-transformers' losses take them (``query,
+  positive, negative``, ``question, answer``); a ``label`` or ``score`` column cannot be
+  held (reported). Detected for JSONL whose first record has ``anchor``, none of the
+  contrastors keys, or ``negative`` / ``negative_N`` beside ``query`` and ``positive``.
 - ``beir``: a BEIR directory (``corpus.jsonl``, ``queries.jsonl``, ``qrels/<split>.tsv``).
   Text documents and (query, positive) pairs only. A document's title is read joined to its
   text ("title text", what training and evaluation embed), since no other format has a title
@@ -33,6 +37,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -126,14 +131,26 @@ def detect_format(path: str | Path) -> str:
                     break
                 if "messages" in keys:
                     return "swift"
-                if "anchor" in keys:
-                    return "st"
+                if "anchor" in keys or not keys & _CONTRASTORS_KEYS or (
+                        not keys & {"chunk_path", "neg_chunk_paths", "negatives"}
+                        and any(_ST_NEGATIVE.match(k) for k in keys)):
+                    return "st"  # named or positional sentence-transformers columns
                 return "contrastors"
     raise DataError("cannot tell the format (empty or malformed first line); pass --format",
                     path=str(path))
 
 
 # ------------------------------------------------------------------ reading
+_CONTRASTORS_KEYS = {"query", "query_id", "positive", "positive_id", "chunk_path", "negatives",
+                     "neg_chunk_paths", "negative_ids"}
+# a key the contrastors reader does not read but that looks like data: a document, several
+# positives, an instruction (sentence-transformers' negative_1, FlagEmbedding's pos / neg /
+# prompt, nomic's document, ...); metadata keys (source, score, ...) are left alone
+_DATA_LIKE = re.compile(r"neg|pos|doc|passage|answer|image|instruct|prompt|system|anchor",
+                        re.IGNORECASE)
+_ID_KEY = re.compile(r"(^|_)ids?$", re.IGNORECASE)
+_ST_NEGATIVE = re.compile(r"negative(_\d+)?$")
+_ST_LABELS = ("label", "score")
 def _jsonl(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
     from .jsonl import iter_jsonl
 
@@ -192,6 +209,14 @@ def _read_contrastors(path: Path, problems: list[Problem]) -> list[Record]:
                 d = _contrastors_doc(v, f"{key}[{i}]", w, problems, as_path)
                 if d is not None:
                     negs.append(d)
+        for key in rec:
+            if key not in _CONTRASTORS_KEYS and _DATA_LIKE.search(key) \
+                    and not _ID_KEY.search(key):
+                problems.append(Problem(str(path), n, key, "not read: the contrastors format "
+                                        "takes 'query', the positive as 'positive' or "
+                                        "'chunk_path', negatives as 'negatives' or "
+                                        "'neg_chunk_paths' (sentence-transformers columns: "
+                                        "--format st)"))
         if q is not None and pos is not None:
             qid = rec.get("query_id")
             pos, negs = _with_ids(rec, pos, negs)
@@ -363,21 +388,51 @@ def _st_rows(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
 
 
 def _read_st(path: Path, problems: list[Problem]) -> list[Record]:
+    """sentence-transformers columns. As sentence-transformers' losses take them: named
+    ``anchor``, ``positive``, ``negative`` / ``negative_1..k`` (any other column is reported,
+    not read), or, without an ``anchor`` column, by position: the first column is the
+    anchor, the second the positive, the rest negatives (``query, positive, negative``;
+    ``question, answer``). A ``label`` or ``score`` column cannot be held: such pairs are
+    not all positives (reported)."""
     out = []
     for n, rec in _st_rows(path, problems):
         w = (str(path), n)
-        q = _text(rec, "anchor", w, problems)
-        p = _text(rec, "positive", w, problems)
+        lost = [(k, f"a {k!r} column (bigbatch trains on (anchor, positive, negatives); "
+                    f"labelled or scored pairs are not all positives)")
+                for k in _ST_LABELS if k in rec]
+        cols = [k for k in rec if k not in _ST_LABELS]
+        if "anchor" in rec:
+            q = _text(rec, "anchor", w, problems)
+            p = _text(rec, "positive", w, problems)
+            neg_keys = [k for k in cols if _ST_NEGATIVE.match(k)]
+            for k in cols:
+                if k not in ("anchor", "positive") and k not in neg_keys:
+                    problems.append(Problem(str(path), n, k, "not read: sentence-transformers "
+                                            "columns are anchor, positive, negative_1..k"))
+        elif len(cols) < 2:
+            problems.append(Problem(str(path), n, "anchor", "needs an anchor and a positive "
+                                    "column"))
+            continue
+        else:
+            for k in [k for k in cols if _ID_KEY.search(k)]:
+                problems.append(Problem(str(path), n, k, "not read: an id column among "
+                                        "columns read by position (the first is the anchor, "
+                                        "the second the positive, the rest negatives); "
+                                        "remove it"))
+                cols.remove(k)
+            if len(cols) < 2:
+                continue
+            q = _text(rec, cols[0], w, problems)
+            p = _text(rec, cols[1], w, problems)
+            neg_keys = cols[2:]
         negs = []
-        i = 1
-        while f"negative_{i}" in rec or (i == 1 and "negative" in rec):
-            key = f"negative_{i}" if f"negative_{i}" in rec else "negative"
+        for key in neg_keys:
             t = _text(rec, key, w, problems)
             if t is not None:
                 negs.append(Doc(text=t, key=key))
-            i += 1
         if q is not None and p is not None:
-            out.append(Record(q, Doc(text=p, key="positive"), negs, None, n, str(path)))
+            pkey = "positive" if "anchor" in rec else cols[1]
+            out.append(Record(q, Doc(text=p, key=pkey), negs, None, n, str(path), lost))
     return out
 
 
