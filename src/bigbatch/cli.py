@@ -116,17 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_flags(sub.add_parser("train", help="fine-tune a bi-encoder with GradCache",
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     va = sub.add_parser("validate", help="check training files; report every problem")
-    va.add_argument("files", nargs="+", help="JSONL/Parquet files or BEIR directories")
+    va.add_argument("files", nargs="+", help="JSONL/Parquet/CSV files, datasets folders "
+                    "(save_to_disk) or BEIR directories")
     va.add_argument("--format", choices=FORMATS, default=None, help="default: detected")
-    va.add_argument("--split", default="train", help="qrels split for BEIR directories")
+    va.add_argument("--split", default="train", help="qrels split of BEIR directories, split "
+                    "of a datasets DatasetDict folder")
 
     co = sub.add_parser("convert", help="convert between contrastors, ms-swift, "
                         "sentence-transformers and BEIR formats")
     co.add_argument("--from", dest="src_format", choices=FORMATS, default=None)
     co.add_argument("--to", dest="dst_format", choices=FORMATS, required=True)
     co.add_argument("input")
-    co.add_argument("output", help="a .jsonl/.parquet file, or a directory for beir")
-    co.add_argument("--split", default="train", help="qrels split read or written for BEIR")
+    co.add_argument("output", help="a .jsonl/.parquet/.csv file, or a directory for beir")
+    co.add_argument("--split", default="train", help="qrels split read or written for BEIR; "
+                    "split of a datasets DatasetDict folder")
     co.add_argument("--allow-lossy", action="store_true", help="drop (and report) what the "
                     "target format cannot hold instead of stopping")
     co.add_argument("--query-instruction", default=SWIFT_QUERY_INSTRUCTION,

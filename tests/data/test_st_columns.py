@@ -86,3 +86,69 @@ def test_metadata_keys_are_left_alone(tmp_path):
     src = write(tmp_path / "c.jsonl", {"query": "q", "positive": "p", "negatives": ["n"],
                                        "source": "msmarco", "doc_id": "d1", "score": 3})
     assert read_records(src)[1] == []
+
+
+def _save_to_disk(folder, table, split=None):
+    """What ``datasets``' save_to_disk writes: Arrow IPC stream files and state.json (a
+    DatasetDict: one such folder per split and dataset_dict.json)."""
+    import pyarrow as pa
+
+    target = folder / split if split else folder
+    target.mkdir(parents=True)
+    half = table.num_rows // 2
+    files = []
+    for i, part in enumerate((table.slice(0, half), table.slice(half))):
+        name = f"data-0000{i}-of-00002.arrow"
+        with pa.ipc.new_stream(str(target / name), part.schema) as w:
+            w.write_table(part, max_chunksize=2)
+        files.append({"filename": name})
+    (target / "dataset_info.json").write_text("{}")
+    (target / "state.json").write_text(json.dumps({"_data_files": files, "_split": split}))
+    if split:
+        (folder / "dataset_dict.json").write_text(json.dumps({"splits": [split]}))
+
+
+def test_hf_datasets_folders_read_and_train(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    table = pa.table({"anchor": [f"q{i}" for i in range(5)],
+                      "positive": [f"p{i}" for i in range(5)]})
+    _save_to_disk(tmp_path / "ds", table)
+    _save_to_disk(tmp_path / "dd", table, split="train")
+    for folder in ("ds", "dd"):
+        assert detect_format(tmp_path / folder) == "st"
+        records, problems = read_records(tmp_path / folder)
+        assert problems == [] and [(r.query, r.line) for r in records] == \
+            [(f"q{i}", i + 1) for i in range(5)]
+        assert [r.query for r in load_records(tmp_path / folder)] == [f"q{i}" for i in range(5)]
+    with pytest.raises(DataError, match="no split 'test'.*splits: train"):
+        read_records(tmp_path / "dd", split="test")
+
+
+def test_parquet_is_streamed_by_record_batch_with_row_numbers(tmp_path, monkeypatch):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"anchor": [f"q{i}" for i in range(3000)], "positive":
+                             ["p"] * 2999 + [""]}), tmp_path / "big.parquet", row_group_size=500)
+    monkeypatch.setattr(pq, "read_table", None)  # never the whole table at once
+    records, problems = read_records(tmp_path / "big.parquet")
+    assert len(records) == 2999 and [(p.line, p.field) for p in problems] == [(3000, "positive")]
+
+
+def test_csv_with_header_bom_crlf_and_quoted_newlines(tmp_path, capsys):
+    from bigbatch.cli import main
+
+    src = tmp_path / "t.csv"
+    src.write_bytes(b"\xef\xbb\xbfanchor,positive,negative\r\n"
+                    + b"q1,\"a passage\r\non two lines\",n1\r\n"
+                    + "q2 ünïcode,p2,n2\r\n".encode() + b"q3,p3\r\n")
+    records, problems = read_records(src)
+    assert [(r.query, r.line) for r in records] == [("q1", 2), ("q2 ünïcode", 4)]
+    assert records[0].positive.text == "a passage\r\non two lines"
+    assert [(p.line, p.message) for p in problems] == \
+        [(5, "3 columns in the header, another number here")]
+    out = tmp_path / "o.csv"
+    write_records(records, out, "st")
+    back, problems = read_records(out)
+    assert problems == [] and [(r.query, r.positive.text, r.negatives[0].text) for r in back] \
+        == [(r.query, r.positive.text, r.negatives[0].text) for r in records]

@@ -18,7 +18,9 @@ Formats (``--from`` / ``--to`` names):
   instruction field (``contrastors``, ``st``, ``beir``) takes the prompts only with
   ``--allow-lossy`` (a single prompt per side is named in the report instead).
 - ``st``: sentence-transformers columns ``anchor``, ``positive``, ``negative_1..k``, as
-  JSONL (``.jsonl``) or Parquet (``.parquet``). Text only. Without an ``anchor`` column the
+  JSONL (``.jsonl``), Parquet (``.parquet``), CSV with a header (``.csv``), or a folder
+  written by ``datasets``' ``save_to_disk`` (a DatasetDict's ``--split``); Parquet and
+  Arrow are streamed a record batch at a time. Text only. Without an ``anchor`` column the
   columns are read by position, as sentence-transformers' losses take them (``query,
   positive, negative``, ``question, answer``); a ``label`` or ``score`` column cannot be
   held (reported). Detected for JSONL whose first record has ``anchor``, none of the
@@ -116,11 +118,12 @@ def _is_image(p: str) -> bool:
 
 
 def detect_format(path: str | Path) -> str:
-    """Guess the format from a directory (BEIR), a .parquet file (st) or the first record's keys."""
+    """Guess the format from a directory (a Hugging Face ``datasets`` folder is st, any other
+    BEIR), a .parquet or .csv file (st) or the first record's keys."""
     path = Path(path)
     if path.is_dir():
-        return "beir"
-    if path.suffix == ".parquet":
+        return "st" if _is_hf_dataset(path) else "beir"
+    if path.suffix.lower() in (".parquet", ".csv"):
         return "st"
     with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:  # the reader reports bad bytes
         for line in f:
@@ -370,24 +373,85 @@ def _read_swift(path: Path, problems: list[Problem]) -> list[Record]:
     return out
 
 
-def _st_rows(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
-    if path.suffix == ".parquet":
+def _is_hf_dataset(path: Path) -> bool:
+    """A folder written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _hf_dataset_files(path: Path, split: str) -> list[Path]:
+    """The Arrow files of a ``save_to_disk`` folder (of ``split`` for a DatasetDict)."""
+    if (path / "dataset_dict.json").is_file():
         try:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-        except ImportError:  # pragma: no cover
-            raise DataError("reading Parquet needs pyarrow: pip install 'bigbatch[data]'",
-                            path=str(path)) from None
+            splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"cannot read dataset_dict.json: {e}", path=str(path)) from e
+        if split not in splits:
+            raise DataError(f"no split {split!r} in this datasets folder (splits: "
+                            f"{', '.join(map(str, splits))}); pass --split", path=str(path))
+        path = path / split
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        return [path / f["filename"] for f in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"cannot read state.json of a datasets folder: {e}",
+                        path=str(path)) from e
+
+
+def _arrow_rows(path: Path, split: str) -> Iterator[tuple[int, dict]]:
+    """Rows of Parquet or ``datasets`` Arrow files, streamed a record batch at a time."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:  # pragma: no cover
+        raise DataError("reading Parquet or Arrow needs pyarrow: pip install 'bigbatch[data]'",
+                        path=str(path)) from None
+    n = 0
+    files = _hf_dataset_files(path, split) if path.is_dir() else [path]
+    for f in files:
         try:
-            rows = pq.read_table(path).to_pylist()
+            if f.suffix == ".parquet":
+                batches = pq.ParquetFile(f).iter_batches(batch_size=1024)
+            else:  # datasets writes the Arrow IPC stream format
+                batches = pa.ipc.open_stream(pa.memory_map(str(f)))
+            for batch in batches:
+                for row in batch.to_pylist():
+                    n += 1
+                    yield n, row
         except (OSError, pa.ArrowException) as e:
-            raise DataError(f"cannot read as Parquet: {e}", path=str(path)) from e
-        yield from enumerate(rows, 1)
+            raise DataError(f"cannot read as {'Parquet' if f.suffix == '.parquet' else 'Arrow'}:"
+                            f" {e}", path=str(f)) from e
+
+
+def _csv_rows(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
+    """Rows of a CSV file with a header (the line number of the row's first line)."""
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        reader = csv.DictReader(f)
+        try:
+            reader.fieldnames  # reads the header
+            line = reader.line_num
+            for row in reader:
+                start, line = line + 1, reader.line_num
+                if None in row or None in row.values():
+                    problems.append(Problem(str(path), start, None, f"{len(reader.fieldnames or [])}"
+                                            f" columns in the header, another number here"))
+                    continue
+                yield start, row
+        except (csv.Error, UnicodeDecodeError) as e:
+            problems.append(Problem(str(path), reader.line_num + 1, None, f"cannot read as CSV"
+                                    f" ({e}); write it as UTF-8 CSV with a header"))
+
+
+def _st_rows(path: Path, problems: list[Problem], split: str = "train"
+             ) -> Iterator[tuple[int, dict]]:
+    if path.is_dir() or path.suffix.lower() == ".parquet":
+        yield from _arrow_rows(path, split)
+    elif path.suffix.lower() == ".csv":
+        yield from _csv_rows(path, problems)
     else:
         yield from _jsonl(path, problems)
 
 
-def _read_st(path: Path, problems: list[Problem]) -> list[Record]:
+def _read_st(path: Path, problems: list[Problem], split: str = "train") -> list[Record]:
     """sentence-transformers columns. As sentence-transformers' losses take them: named
     ``anchor``, ``positive``, ``negative`` / ``negative_1..k`` (any other column is reported,
     not read), or, without an ``anchor`` column, by position: the first column is the
@@ -395,7 +459,7 @@ def _read_st(path: Path, problems: list[Problem]) -> list[Record]:
     ``question, answer``). A ``label`` or ``score`` column cannot be held: such pairs are
     not all positives (reported)."""
     out = []
-    for n, rec in _st_rows(path, problems):
+    for n, rec in _st_rows(path, problems, split):
         w = (str(path), n)
         lost = [(k, f"a {k!r} column (bigbatch trains on (anchor, positive, negatives); "
                     f"labelled or scored pairs are not all positives)")
@@ -465,7 +529,7 @@ def read_records(path: str | Path, fmt: str | None = None, split: str = "train"
     elif fmt == "swift":
         recs = _read_swift(path, problems)
     elif fmt == "st":
-        recs = _read_st(path, problems)
+        recs = _read_st(path, problems, split)
     elif fmt == "beir":
         recs = _read_beir(path, problems, split)
     else:
@@ -641,6 +705,19 @@ def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_los
             cols[f"negative_{i + 1}"] = [r.negatives[i].text for r in keep]
         out.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.table(cols), out)
+        return report
+    if fmt == "st" and out.suffix.lower() == ".csv":
+        k = max((len(r.negatives) for r in keep), default=0)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", encoding="utf-8", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["anchor", "positive", *(f"negative_{i + 1}" for i in range(k))])
+            for r in keep:
+                if len(r.negatives) != k:
+                    raise DataError("CSV columns need the same number of negatives in every "
+                                    f"record ({r.source}:{r.line} has {len(r.negatives)}, "
+                                    f"another {k})", path=str(out))
+                w.writerow([r.query, r.positive.text, *(d.text for d in r.negatives)])
         return report
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:

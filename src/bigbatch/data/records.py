@@ -134,7 +134,7 @@ def _file_format(path: Path) -> str:
         return "contrastors"
 
 
-def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
+def load_jsonl_records(path: str | Path, split: str = "train") -> list[TrainRecord]:
     """Load and validate a file of training records in any file format of
     :mod:`bigbatch.data.formats` (the seed's ``contrastors`` JSONL, ms-swift's ``swift``
     JSONL, sentence-transformers ``st`` JSONL or Parquet; detected from the file), then read
@@ -146,7 +146,7 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
     path = Path(path)
     if not path.exists():
         raise DataError("training data file not found", path=str(path))
-    parsed, problems = read_records(path, _file_format(path))
+    parsed, problems = read_records(path, _file_format(path), split)
     problems.extend(instruction_problems(parsed))
     records: list[TrainRecord] = []
     for r in parsed:
@@ -175,7 +175,7 @@ def load_records(source: str | Path, split: str = "train", num_hard_negatives: i
         DataError: bad records, or fewer than ``num_hard_negatives`` negatives on a record.
     """
     source = Path(source)
-    if source.is_dir():
+    if source.is_dir() and detect_format(source) == "beir":
         from .beir import beir_training_records
 
         records = beir_training_records(source, split)
@@ -184,7 +184,7 @@ def load_records(source: str | Path, split: str = "train", num_hard_negatives: i
                             f"--num-hard-negatives is {num_hard_negatives}; mine negatives into "
                             f"a JSONL file first, or use 0")
         return records
-    records = load_jsonl_records(source)
+    records = load_jsonl_records(source, split)
     if num_hard_negatives > 0:
         short = [r for r in records if len(r.negatives) < num_hard_negatives]
         if short:

@@ -204,8 +204,10 @@ class _FixedCorpus:
             items.append(doc)
             keys.append(key)
 
+        from ..data.formats import detect_format
+
         root = Path(config.train_data)
-        if root.is_dir():
+        if root.is_dir() and detect_format(root) == "beir":  # not a datasets folder
             from ..data.beir import load_beir
 
             for did, doc in load_beir(root, config.train_split).corpus.items():
