@@ -124,3 +124,29 @@ def test_a_second_positive_image_list_is_a_problem(tmp_path):
     src = write(tmp_path / "s.jsonl", rec(positive_images=[[], ["x.png"]]))
     records, problems = read_records(src)
     assert records == [] and [(p.line, p.field) for p in problems] == [(1, "positive_images")]
+
+
+def test_image_paths_as_ms_swift_writes_them(tmp_path, monkeypatch):
+    """'~' is the home folder (ms-swift expands it); a path that ms-swift would find relative
+    to the working directory, or a URL, is named as such in the report."""
+    from PIL import Image
+
+    home = tmp_path / "home"
+    (home / "pages").mkdir(parents=True)
+    Image.new("RGB", (2, 2)).save(home / "pages" / "p.png")
+    monkeypatch.setenv("HOME", str(home))
+    data = tmp_path / "data"
+    data.mkdir()
+    img = {"messages": conv("q"), "positive_messages": [conv("<image>")]}
+    src = write(data / "s.jsonl", {**img, "positive_images": [["~/pages/p.png"]]},
+                {**img, "positive_images": [["pages/p.png"]]},
+                {**img, "positive_images": [["https://example.com/p.png"]]})
+    monkeypatch.chdir(home)
+    _, problems = validate_file(src)
+    assert [(p.line, p.field) for p in problems] == \
+        [(2, "positive_images[0][0]"), (3, "positive_images[0][0]")]
+    assert "exists relative to the working directory" in problems[0].message
+    assert "local image files only" in problems[1].message
+    write_records(read_records(src)[0][:1], tmp_path / "out" / "o.jsonl", "swift")
+    out = json.loads((tmp_path / "out" / "o.jsonl").read_text())
+    assert out["positive_images"] == [["~/pages/p.png"]]  # not rebased as a relative path

@@ -646,7 +646,7 @@ def _rebase(r: Record, out_dir: Path) -> Record:
 
     def doc(d: Doc) -> Doc:
         ref = d.image or d.path
-        if ref is None or Path(ref).is_absolute():
+        if ref is None or Path(os.path.expanduser(ref)).is_absolute():  # "~/x.png" is absolute
             return d
         new = os.path.relpath(os.path.abspath(base / ref), os.path.abspath(out_dir))
         return replace(d, image=new) if d.image else replace(d, path=new)

@@ -13,6 +13,7 @@ collected and reported with file, line and field before training starts.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,12 +73,12 @@ def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: lis
     field = doc.key or field
     if doc.image is None and doc.text is not None:
         return doc.text
-    ref = doc.image or doc.path or ""
+    ref = os.path.expanduser(doc.image or doc.path or "")  # "~/pages/p1.png", as ms-swift
     full = Path(ref) if Path(ref).is_absolute() else base / ref
     if doc.image is not None:
         why = check_image(full)
         if why is not None:
-            problems.append(Problem(str(path), line, field, why))
+            problems.append(Problem(str(path), line, field, why + _path_hint(ref, full, base)))
             return None
         return ImageDoc(str(full.resolve()), doc.text or "")
     at = "" if Path(ref).is_absolute() else f" (at {str(full)!r})"
@@ -100,6 +101,20 @@ def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: lis
         problems.append(Problem(str(path), line, field, f"{ref!r}{at} is empty"))
         return None
     return text
+
+
+def _path_hint(ref: str, full: Path, base: Path) -> str:
+    """Why an image another tool finds may be missing here (or "")."""
+    if full.exists():
+        return ""
+    if ref.startswith(("http://", "https://", "data:")):
+        return "; bigbatch reads local image files only: download the images and give paths"
+    alt = Path.cwd() / ref
+    if not Path(ref).is_absolute() and alt.exists():
+        return (f"; {ref!r} exists relative to the working directory ({str(alt)!r}), where "
+                f"ms-swift looks: bigbatch resolves relative paths against the data file's "
+                f"folder ({str(base)!r}): make them relative to it, or absolute")
+    return ""
 
 
 def resolve_record(r: Record, problems: list[Problem]
