@@ -301,6 +301,9 @@ def _convert(args: argparse.Namespace) -> int:
           f"{args.dst_format} to {args.output}" +
           (f"; dropped {report['dropped']}: {'; '.join(report['dropped_reasons'])}"
            if report["dropped"] else ""))
+    if report["system_prompts_kept"]:
+        print(f"note: {report['system_prompts_kept']} record(s) keep their own system messages; "
+              f"--query-instruction / --doc-instruction apply to conversations without one")
     if report["system_prompts_dropped"]:
         print(f"system prompts not written ({args.dst_format} has no field for them): "
               f"{report['system_prompts_dropped']} record(s)")

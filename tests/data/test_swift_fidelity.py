@@ -50,6 +50,15 @@ def test_system_prompts_are_read_and_survive_a_swift_round_trip(tmp_path):
     assert back[1]["positive_messages"] == [conv("p2")]
 
 
+def test_convert_says_which_records_keep_their_own_system_messages(tmp_path, capsys):
+    src = write(tmp_path / "s.jsonl", rec("q1", qs="Find A."), rec("q2"))
+    assert main(["convert", "--to", "swift", "--query-instruction", "Other.", str(src),
+                 str(tmp_path / "o.jsonl")]) == 0
+    assert "note: 2 record(s) keep their own system messages" in capsys.readouterr().out
+    back = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [b["messages"] for b in back] == [conv("q1", "Find A."), conv("q2")]
+
+
 def test_differing_system_prompts_are_reported_not_dropped(tmp_path, capsys):
     src = write(tmp_path / "s.jsonl", rec("q1", qs="Find A."), rec("q2", qs="Find A."),
                 rec("q3", qs="Find B."), rec("q4", "p4", ["n4"], ds=None),

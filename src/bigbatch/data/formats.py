@@ -674,7 +674,12 @@ def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_los
     keep = [_rebase(r, out_dir) for r in records if id(r) not in dropped]
     report = {"format": fmt, "written": len(keep), "dropped": len(lossy),
               "dropped_reasons": sorted({why for _, why in lossy}), "system_prompts": {},
-              "system_prompts_dropped": 0}
+              "system_prompts_dropped": 0, "system_prompts_kept": 0}
+    if fmt == "swift":  # the records' own system messages win over the instruction options
+        report["system_prompts_kept"] = sum(
+            any(v is not None for v in (r.query_system, *(d.system for d in
+                                                          (r.positive, *r.negatives))))
+            for r in keep)
     if fmt != "swift":  # per-record system prompts have no field in the target
         differ = instruction_problems(keep)
         if differ and not allow_lossy:
