@@ -116,17 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_flags(sub.add_parser("train", help="fine-tune a bi-encoder with GradCache",
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     va = sub.add_parser("validate", help="check training files; report every problem")
-    va.add_argument("files", nargs="+", help="JSONL/Parquet files or BEIR directories")
+    va.add_argument("files", nargs="+", help="JSONL/Parquet/CSV files, datasets folders "
+                    "(save_to_disk) or BEIR directories")
     va.add_argument("--format", choices=FORMATS, default=None, help="default: detected")
-    va.add_argument("--split", default="train", help="qrels split for BEIR directories")
+    va.add_argument("--split", default="train", help="qrels split of BEIR directories, split "
+                    "of a datasets DatasetDict folder")
 
     co = sub.add_parser("convert", help="convert between contrastors, ms-swift, "
                         "sentence-transformers and BEIR formats")
     co.add_argument("--from", dest="src_format", choices=FORMATS, default=None)
     co.add_argument("--to", dest="dst_format", choices=FORMATS, required=True)
     co.add_argument("input")
-    co.add_argument("output", help="a .jsonl/.parquet file, or a directory for beir")
-    co.add_argument("--split", default="train", help="qrels split read or written for BEIR")
+    co.add_argument("output", help="a .jsonl/.parquet/.csv file, or a directory for beir")
+    co.add_argument("--split", default="train", help="qrels split read or written for BEIR; "
+                    "split of a datasets DatasetDict folder")
     co.add_argument("--allow-lossy", action="store_true", help="drop (and report) what the "
                     "target format cannot hold instead of stopping")
     co.add_argument("--query-instruction", default=SWIFT_QUERY_INSTRUCTION,
@@ -298,6 +301,17 @@ def _convert(args: argparse.Namespace) -> int:
           f"{args.dst_format} to {args.output}" +
           (f"; dropped {report['dropped']}: {'; '.join(report['dropped_reasons'])}"
            if report["dropped"] else ""))
+    if report["system_prompts_kept"]:
+        print(f"note: {report['system_prompts_kept']} record(s) keep their own system messages; "
+              f"--query-instruction / --doc-instruction apply to conversations without one")
+    if report["system_prompts_dropped"]:
+        print(f"system prompts not written ({args.dst_format} has no field for them): "
+              f"{report['system_prompts_dropped']} record(s)")
+    for side, prompt in report["system_prompts"].items():
+        flag = "query" if side == "query" else "doc"
+        print(f"note: the records' {side} system prompt {prompt!r} is not written "
+              f"({args.dst_format} has no field for it); train with --{flag}-instruction "
+              f"{prompt!r} (vision-language) or --{flag}-prefix {prompt + ' '!r} (text)")
     return 0
 
 

@@ -382,3 +382,23 @@ def test_resume_compares_the_training_data_by_resolved_path(assets, tmp_path, mo
     copy = shutil.copytree(data, tmp_path / "copy")
     with pytest.raises(ConfigError, match="was trained on"):
         train(config(assets, out, train_data=str(copy), resume=str(out)))
+
+
+def test_swift_system_prompts_are_applied_or_the_run_stops(assets, tmp_path, capsys):
+    """ms-swift applies each conversation's system message; training on swift data checks
+    that the encoder's prefix holds it before step 1, naming the flag that applies it."""
+    tiny, _ = assets
+    data = tmp_path / "swift.jsonl"
+    data.write_text("".join(json.dumps({
+        "messages": [{"role": "system", "content": "Find the claim."},
+                     {"role": "user", "content": f"query {i}"}],
+        "positive_messages": [[{"role": "user", "content": f"passage {i}"}]]}) + "\n"
+        for i in range(8)))
+    out = tmp_path / "run"
+    args = ["train", "--model", str(tiny), "--train-data", str(data), "--output-dir", str(out),
+            "--batch-size", "4", "--max-steps", "1", "--eval-steps", "0", "--save-steps", "0",
+            "--no-eval-at-start", "--max-length", "16"]
+    assert main(args) == 2
+    assert "--query-prefix 'Find the claim. '" in capsys.readouterr().err
+    assert not (out / "metrics.jsonl").exists()
+    assert main([*args, "--query-prefix", "Find the claim. "]) == 0

@@ -50,8 +50,11 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, L
     """Yield ``(line number, object, None)`` for each non-empty line holding a JSON object, and
     ``(line number, None, problem)`` for one that does not (malformed JSON, not a JSON
     object, not UTF-8, or text that is not valid Unicode); the caller raises or collects."""
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first record
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         for n, line in enumerate(f, 1):
+            if line.startswith("\ufeff"):  # files concatenated with their marks
+                line = line[1:]
             if not line.strip():
                 continue
             try:

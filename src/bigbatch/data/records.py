@@ -13,14 +13,17 @@ collected and reported with file, line and field before training starts.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DataError
-from .formats import Doc, Problem, Record, _source_folder, detect_format, read_records
+from .formats import (Doc, Problem, Record, _source_folder, detect_format,
+                      instruction_problems, read_records)
 from .images import IMAGE_SUFFIXES, ImageDoc, check_image
 
-__all__ = ["TrainRecord", "load_jsonl_records", "load_records", "resolve_doc", "resolve_record"]
+__all__ = ["TrainRecord", "load_jsonl_records", "load_records", "resolve_doc", "resolve_record",
+           "check_instructions"]
 
 MAX_REPORTED = 20
 
@@ -40,6 +43,10 @@ class TrainRecord:
     line: int = 0
     query_id: str = ""
     positive_key: str = field(default="", compare=False)
+    # the system prompts the data gives the query and the documents (ms-swift's system
+    # messages): None where the format has none, "" for a conversation without one
+    query_system: str | None = field(default=None, compare=False)
+    doc_system: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         from .images import doc_key
@@ -66,12 +73,12 @@ def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: lis
     field = doc.key or field
     if doc.image is None and doc.text is not None:
         return doc.text
-    ref = doc.image or doc.path or ""
+    ref = os.path.expanduser(doc.image or doc.path or "")  # "~/pages/p1.png", as ms-swift
     full = Path(ref) if Path(ref).is_absolute() else base / ref
     if doc.image is not None:
         why = check_image(full)
         if why is not None:
-            problems.append(Problem(str(path), line, field, why))
+            problems.append(Problem(str(path), line, field, why + _path_hint(ref, full, base)))
             return None
         return ImageDoc(str(full.resolve()), doc.text or "")
     at = "" if Path(ref).is_absolute() else f" (at {str(full)!r})"
@@ -94,6 +101,20 @@ def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: lis
         problems.append(Problem(str(path), line, field, f"{ref!r}{at} is empty"))
         return None
     return text
+
+
+def _path_hint(ref: str, full: Path, base: Path) -> str:
+    """Why an image another tool finds may be missing here (or "")."""
+    if full.exists():
+        return ""
+    if ref.startswith(("http://", "https://", "data:")):
+        return "; bigbatch reads local image files only: download the images and give paths"
+    alt = Path.cwd() / ref
+    if not Path(ref).is_absolute() and alt.exists():
+        return (f"; {ref!r} exists relative to the working directory ({str(alt)!r}), where "
+                f"ms-swift looks: bigbatch resolves relative paths against the data file's "
+                f"folder ({str(base)!r}): make them relative to it, or absolute")
+    return ""
 
 
 def resolve_record(r: Record, problems: list[Problem]
@@ -128,7 +149,7 @@ def _file_format(path: Path) -> str:
         return "contrastors"
 
 
-def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
+def load_jsonl_records(path: str | Path, split: str = "train") -> list[TrainRecord]:
     """Load and validate a file of training records in any file format of
     :mod:`bigbatch.data.formats` (the seed's ``contrastors`` JSONL, ms-swift's ``swift``
     JSONL, sentence-transformers ``st`` JSONL or Parquet; detected from the file), then read
@@ -140,7 +161,8 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
     path = Path(path)
     if not path.exists():
         raise DataError("training data file not found", path=str(path))
-    parsed, problems = read_records(path, _file_format(path))
+    parsed, problems = read_records(path, _file_format(path), split)
+    problems.extend(instruction_problems(parsed))
     records: list[TrainRecord] = []
     for r in parsed:
         positive, negatives = resolve_record(r, problems)
@@ -149,7 +171,8 @@ def load_jsonl_records(path: str | Path) -> list[TrainRecord]:
         positive_id = r.positive.id or ""  # else its content key (TrainRecord decides)
         records.append(TrainRecord(query=r.query, positive=positive, negatives=negatives,
                                    positive_id=positive_id, source=str(path), line=r.line,
-                                   query_id="" if r.query_id is None else str(r.query_id)))
+                                   query_id="" if r.query_id is None else str(r.query_id),
+                                   query_system=r.query_system, doc_system=r.positive.system))
     problems.sort(key=lambda p: p.line or 0)  # file order (stable within a line)
     if problems:
         shown = "\n  ".join(str(p) for p in problems[:MAX_REPORTED])
@@ -167,7 +190,7 @@ def load_records(source: str | Path, split: str = "train", num_hard_negatives: i
         DataError: bad records, or fewer than ``num_hard_negatives`` negatives on a record.
     """
     source = Path(source)
-    if source.is_dir():
+    if source.is_dir() and detect_format(source) == "beir":
         from .beir import beir_training_records
 
         records = beir_training_records(source, split)
@@ -176,7 +199,7 @@ def load_records(source: str | Path, split: str = "train", num_hard_negatives: i
                             f"--num-hard-negatives is {num_hard_negatives}; mine negatives into "
                             f"a JSONL file first, or use 0")
         return records
-    records = load_jsonl_records(source)
+    records = load_jsonl_records(source, split)
     if num_hard_negatives > 0:
         short = [r for r in records if len(r.negatives) < num_hard_negatives]
         if short:
@@ -186,3 +209,44 @@ def load_records(source: str | Path, split: str = "train", num_hard_negatives: i
                             f"{', ...' if len(short) > 10 else ''})", path=str(source),
                             field="negatives")
     return records
+
+
+def check_instructions(records: list[TrainRecord], encoder: object) -> None:
+    """Check that ``encoder`` gives queries and documents the system prompts the training
+    data carries (ms-swift's system messages, one per side: :func:`load_jsonl_records`
+    refuses records that differ). A vision-language encoder's instruction is the system turn
+    of its prompt, as in ms-swift's Qwen-VL templates, so it must equal the data's; a text
+    encoder's prefix must hold it (ms-swift's Qwen3-Embedding template embeds
+    ``"{system} {text}"``, so ``--query-prefix "{system} "`` reproduces it). Records without
+    a system prompt leave the encoder's settings as they are.
+
+    Raises:
+        ConfigError: naming the option to set and the value the data gives.
+    """
+    from ..errors import ConfigError
+
+    vision = hasattr(encoder, "query_instruction")
+    for side, attr in (("query", "query_system"), ("doc", "doc_system")):
+        found = {getattr(r, attr) for r in records} - {None, ""}
+        if not found:
+            continue
+        data = found.pop()
+        first = next(r for r in records if getattr(r, attr) == data)
+        where = f"{first.source}:{first.line}"
+        if vision:
+            have = getattr(encoder, f"{side}_instruction")
+            if have != data:
+                raise ConfigError(
+                    f"{where}: the training data's {side} system prompt is {data!r}, but the "
+                    f"encoder's instruction is {have!r}; pass --{side}-instruction {data!r} "
+                    f"(ms-swift applies the data's system prompt), or remove the system "
+                    f"messages from the data")
+        else:
+            have = getattr(encoder, f"{side}_prefix", "")
+            if data.strip() not in have:
+                raise ConfigError(
+                    f"{where}: the training data's {side} system prompt is {data!r}, but the "
+                    f"encoder's --{side}-prefix is {have!r}; pass --{side}-prefix "
+                    f"{data + ' '!r} (ms-swift's Qwen3-Embedding template puts the system "
+                    f"prompt and a space before the text), or remove the system messages "
+                    f"from the data")

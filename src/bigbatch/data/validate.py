@@ -5,7 +5,9 @@ empty text, text that is not valid Unicode, image or text files that are missing
 unreadable (each checked as the training loader checks it: images opened and verified by
 Pillow, text files decoded as UTF-8), a negative equal to the positive (as training compares
 them: resolved paths, file contents, texts), duplicate queries (the same query with the same positive; a query with several
-positives is legitimate), and negative counts that differ from the file's usual count.
+positives is legitimate), negative counts that differ from the file's usual count, and
+system prompts (swift) that differ between records or between a record's documents (bigbatch
+applies one instruction per side).
 It never stops at the first finding.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .formats import Problem, Record, read_records
+from .formats import Problem, Record, instruction_problems, read_records
 
 __all__ = ["validate_file", "validate_records"]
 
@@ -39,6 +41,7 @@ def validate_records(records: list[Record], problems: list[Problem]) -> list[Pro
                                     f"duplicate query with the same positive (first on line "
                                     f"{seen[key]})"))
         seen.setdefault(key, r.line)
+    problems.extend(instruction_problems(records))
     counts = Counter(len(r.negatives) for r in records)
     if len(counts) > 1:
         usual = counts.most_common(1)[0][0]

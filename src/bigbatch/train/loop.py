@@ -204,8 +204,10 @@ class _FixedCorpus:
             items.append(doc)
             keys.append(key)
 
+        from ..data.formats import detect_format
+
         root = Path(config.train_data)
-        if root.is_dir():
+        if root.is_dir() and detect_format(root) == "beir":  # not a datasets folder
             from ..data.beir import load_beir
 
             for did, doc in load_beir(root, config.train_split).corpus.items():
@@ -277,6 +279,7 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
     under ``"encoder"``, the trained encoder). ``_stop_after`` ends the run
     right after step N's checkpoint, as a kill would (for resume tests)."""
     from ..data import EpochBatches, load_records
+    from ..data.records import check_instructions
     from ..evaluate import LOWER_IS_BETTER, check_beir_split, evaluate_beir
 
     config.validate()
@@ -297,6 +300,7 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
     torch.manual_seed(config.seed)  # same model (and LoRA) initialisation on every rank
     lora_r = 0 if config.full_finetune else config.lora_r
     encoder = _build_encoder(config, records, lora_r).to(device)
+    check_instructions(records, encoder)  # the data's system prompts (swift) are applied
     encoder.train()
     query_side = config.mode == "query-side-tune"
     corpus = None
