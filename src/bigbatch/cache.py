@@ -298,6 +298,7 @@ class GradCache:
         self.sync_gradients = sync_gradients
         self._explicit_params = None if params is None else list(params)
         self.last_sync_calls = 0  # collectives the last step used to synchronise gradients
+        self._where = ""  # where in the step this rank is, for a failure's message
         self._loss_names, self._loss_var_kw = _loss_parameters(loss_fn)
         if not self._loss_var_kw:
             missing = [n for n in self.towers if n not in self._loss_names]
@@ -466,7 +467,11 @@ class GradCache:
             NonFiniteError: NaN/inf in an embedding or in the loss (nothing written yet).
 
         Under ``torch.distributed``, an error that one rank's inputs cause before the first
-        collective is raised on every rank (the same class, naming the rank). The step runs
+        collective is raised on every rank (the same class, naming the rank). So is a
+        failure of a tower in the first pass on one rank (an exception, an out-of-memory, a
+        wrong output shape): its flag travels in the after-embedding exchange; the failing
+        rank raises its own exception, the others :class:`~bigbatch.errors.RankFailedError`
+        (or its bigbatch error class) naming that rank and where it failed. The step runs
         with gradients enabled even when called under ``torch.no_grad()``; under
         ``torch.inference_mode()``, which nothing can lift, it raises ConfigError.
         """
@@ -490,10 +495,17 @@ class GradCache:
             failure = e
         fsdp = self._fsdp_modules()
         counts = self._agree_on_sizes(runs, loss_kwargs, failure) if distributed else None
+        self._where = ""
         with self._no_sync(fsdp), torch.enable_grad():  # also when called under no_grad()
-            self._embed_all(runs)
+            failure = None
+            try:
+                self._embed_all(runs)
+            except Exception as e:  # noqa: BLE001 - every rank raises in the exchange below
+                if not distributed:
+                    raise
+                failure = e
             if distributed:
-                self._agree_after_embedding(runs)
+                self._agree_after_embedding(runs, failure, self._where)
             loss, total, metrics = self._loss_and_backward(runs, loss_kwargs, counts)
             self._replay_all(runs, fsdp)
         if distributed and self.sync_gradients:
@@ -525,6 +537,7 @@ class GradCache:
             for c, planned in enumerate(run.chunks):
                 keep = (self.reuse_last_chunk and i == last_trainable
                         and c == len(run.chunks) - 1)
+                self._where = f"while embedding tower {run.name!r} (chunk {c}, first pass)"
                 ctx = None
                 if run.trainable and not keep:  # before collating: a random collate_fn
                     ctx = RandContext(planned, devices=[self.device] if self.device else [])
@@ -633,11 +646,20 @@ class GradCache:
                               f"size on every rank")
         return counts
 
-    def _agree_after_embedding(self, runs: list[_TowerRun]) -> None:
-        """Exchange finiteness and embedding width per tower, so all ranks fail together."""
-        finite = [int(bool(torch.isfinite(r.reps).all())) if self.check_finite else 1 for r in runs]
-        dims = [r.reps.shape[1] for r in runs]
-        table = D._exchange_ints(finite + dims, self.process_group)
+    def _agree_after_embedding(self, runs: list[_TowerRun], failure: Exception | None = None,
+                               where: str = "") -> None:
+        """Exchange whether embedding failed on this rank (``failure``: a tower raised, or
+        returned a wrong shape), finiteness and embedding width per tower, in one
+        all-gather, so that all ranks fail together (see :func:`bigbatch.distributed.share_failure`)."""
+        if failure is None:
+            finite = [int(bool(torch.isfinite(r.reps).all())) if self.check_finite else 1
+                      for r in runs]
+            dims = [r.reps.shape[1] for r in runs]
+        else:
+            finite, dims = [1] * len(runs), [0] * len(runs)
+        table = D._exchange_ints([int(failure is not None), *finite, *dims], self.process_group)
+        D.share_failure(failure, table[:, 0].tolist(), self.process_group, where)
+        table = table[:, 1:]
         for i, run in enumerate(runs):
             bad = [r for r in range(table.shape[0]) if table[r, i] == 0]
             if bad:

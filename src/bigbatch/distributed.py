@@ -48,7 +48,7 @@ from . import errors
 __all__ = [
     "WorldInfo", "world_info", "is_distributed", "init_distributed", "gather_with_grad",
     "all_gather_rows", "all_reduce_gradients", "Gathered", "unwrap_ddp", "is_fsdp",
-    "raise_together",
+    "raise_together", "share_failure",
 ]
 
 
@@ -178,7 +178,46 @@ def _raise_shared(error: BaseException | None, failed: Sequence[int], group: Any
     if not (isinstance(cls, type) and issubclass(cls, errors.BigBatchError)):
         cls, message = errors.InputError, f"{name}: {message}"
     more = f" (and rank(s) {ranks[1:]})" if len(ranks) > 1 else ""
-    raise cls(f"rank {ranks[0]}{more}: {message}") from error
+    shared = cls(f"rank {ranks[0]}{more}: {message}")
+    shared._bigbatch_shared = True  # type: ignore[attr-defined] - the engine re-raises it
+    raise shared from error
+
+
+def share_failure(error: BaseException | None, failed: Sequence[int], group: Any = None,
+                  where: str = "") -> None:
+    """Every rank raises when any rank failed (``failed[r]`` nonzero, already exchanged in a
+    collective the step made anyway, the same on every rank); nothing happens otherwise.
+
+    The failing rank raises its own ``error`` unchanged (with its traceback). The others
+    raise an error naming the first failing rank, ``where`` it failed and its exception: of
+    the same class when it is a :mod:`bigbatch.errors` one, else
+    :class:`~bigbatch.errors.RankFailedError`. Costs one ``all_gather_object`` of the
+    messages, only when something failed.
+    """
+    import torch.distributed as dist
+
+    ranks = [r for r, f in enumerate(failed) if f]
+    if not ranks:
+        return
+    mine = None if error is None else (type(error).__name__, str(error), where)
+    every: list[Any] = [None] * len(failed)
+    dist.all_gather_object(every, mine, group=group)
+    if error is not None:
+        error._bigbatch_shared = True  # type: ignore[attr-defined] - the engine re-raises it
+        if hasattr(error, "add_note"):
+            error.add_note(f"bigbatch: raised on rank {dist.get_rank(group)}"
+                           f"{' ' + where if where else ''}; the other ranks raised an error "
+                           f"naming this rank")
+        raise error
+    name, message, at = every[ranks[0]]
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.BigBatchError)):
+        cls, message = errors.RankFailedError, f"{name}: {message}"
+    more = f" (and rank(s) {ranks[1:]})" if len(ranks) > 1 else ""
+    shared = cls(f"rank {ranks[0]}{more} failed{' ' + at if at else ''}: {message} (this rank "
+                 f"stopped the step as well; zero the gradients before another step)")
+    shared._bigbatch_shared = True  # type: ignore[attr-defined]
+    raise shared
 
 
 class _GatherWithGrad(torch.autograd.Function):
