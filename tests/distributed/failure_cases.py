@@ -130,6 +130,20 @@ CASES = {
     "tower_first_pass": lambda: _case(Flaky(fail_call=1)),
     "tower_first_pass_last_chunk": lambda: _case(Flaky(fail_call=4)),  # the kept chunk
     "tower_rows_first_pass": lambda: _case(Flaky(fail_call=1, kind="rows")),
+    "tower_second_pass": lambda: _case(Flaky(fail_call=6)),
+    "tower_second_pass_no_sync": lambda: _case(Flaky(fail_call=5), sync_gradients=False),
+    "tower_second_pass_local_loss": lambda: _case(Flaky(fail_call=7), cross_device=False),
+    "loss_forward_cross_device": lambda: _case(Flaky(-1), failing_loss("forward")),
+    "loss_nan_cross_device": lambda: _case(Flaky(-1), failing_loss("nan")),
+    "loss_backward_cross_device": lambda: _case(Flaky(-1), failing_loss("backward")),
+    "loss_forward_local": lambda: _case(Flaky(-1), failing_loss("forward"), cross_device=False),
+    "loss_forward_local_unchecked": lambda: _case(Flaky(-1), failing_loss("forward"),
+                                                  cross_device=False, check_finite=False),
+    "loss_backward_local": lambda: _case(Flaky(-1), failing_loss("backward"),
+                                         cross_device=False),
+    "infonce_compute": lambda: _case(Flaky(-1), FailingInfoNCE().to(DT)),
+    # a user's bad batch on rank 1 (4 documents for 3 queries) with rank-local losses
+    "bad_layout_local": lambda: _case(Flaky(-1), docs=(3, 4), cross_device=False),
 }
 
 

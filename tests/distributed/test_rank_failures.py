@@ -31,6 +31,26 @@ TOWER = ("RuntimeError", "tower failed on rank 1")
     ("tower_rows_first_pass", ("ShapeError", "returned shape (1, 4) for chunk 0 of 2 rows"),
      ("ShapeError", "rank 1 failed while embedding tower 'query' (chunk 0, first pass): "
                     "tower 'query' returned shape (1, 4)")),
+    ("tower_second_pass", TOWER, ("RankFailedError", "rank 1 failed while re-embedding tower "
+                                  "'query' (chunk 1, second pass): RuntimeError")),
+    ("tower_second_pass_no_sync", TOWER, ("RankFailedError", "second pass")),
+    ("tower_second_pass_local_loss", TOWER, ("RankFailedError", "tower 'doc' (chunk 0, second")),
+    ("loss_forward_cross_device", ("RuntimeError", "loss failed on rank 1"),
+     ("RankFailedError", "rank 1 failed in the loss: RuntimeError: loss failed on rank 1")),
+    ("loss_nan_cross_device", ("NonFiniteError", "the loss is NaN or inf"),
+     ("NonFiniteError", "rank 1 failed in the loss: the loss is NaN or inf")),
+    ("loss_backward_cross_device", ("RuntimeError", "loss backward failed on rank 1"),
+     ("RankFailedError", "rank 1 failed in the loss's backward: RuntimeError: loss backward")),
+    ("loss_forward_local", ("RuntimeError", "loss failed on rank 1"),
+     ("RankFailedError", "rank 1 failed in the loss: RuntimeError")),
+    ("loss_forward_local_unchecked", ("RuntimeError", "loss failed on rank 1"),
+     ("RankFailedError", "rank 1 failed in the loss: RuntimeError")),
+    ("loss_backward_local", ("RuntimeError", "loss backward failed on rank 1"),
+     ("RankFailedError", "rank 1 failed in the loss's backward")),
+    ("infonce_compute", ("RuntimeError", "logits out of memory on rank 1"),
+     ("RankFailedError", "rank 1 failed in the loss: RuntimeError: logits out of memory")),
+    ("bad_layout_local", ("ShapeError", "4 documents"),
+     ("ShapeError", "rank 1 failed in the loss: ")),
 ])
 def test_a_failure_on_one_rank_ends_every_rank_at_once(results, case, failing, other):
     """Rank 1 raises its own exception, rank 0 a bigbatch error naming rank 1 and where it
