@@ -1,8 +1,11 @@
 """Cross-device negatives and one gradient synchronisation per step, on ``torch.distributed``.
 
 World helpers (:func:`world_info`, :func:`init_distributed`), :func:`gather_with_grad` (an
-all-gather whose backward hands each rank its slice of the summed gradient), and
-:func:`all_reduce_gradients` (one coalesced all-reduce of every gradient).
+all-gather whose backward hands each rank its slice of the summed gradient),
+:func:`all_reduce_gradients` (one coalesced all-reduce of every gradient), and
+:func:`raise_together` / :func:`share_failure`, with which a failure on one rank is raised on
+every rank (its flag carried by a collective the step makes anyway) instead of leaving the
+others waiting in the next collective until the timeout.
 
 The scaling argument (why there is no factor of world size anywhere)
 --------------------------------------------------------------------
