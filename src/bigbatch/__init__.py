@@ -13,7 +13,8 @@ Public names::
 
 from . import distributed, errors, functional
 from .cache import GradCache, StepResult
-from .errors import BigBatchError, ConfigError, DataError, InputError, NonFiniteError, ShapeError
+from .errors import (BigBatchError, ConfigError, DataError, InputError, NonFiniteError,
+                     RankFailedError, ShapeError)
 from .losses import CorpusInfoNCE, InfoNCE, LogitScale, LossOutput
 from .rng import RandContext
 
@@ -22,5 +23,5 @@ __version__ = "0.1.0"
 __all__ = [
     "GradCache", "StepResult", "InfoNCE", "CorpusInfoNCE", "LogitScale", "LossOutput", "RandContext",
     "functional", "distributed", "errors", "BigBatchError", "ConfigError", "InputError", "ShapeError",
-    "NonFiniteError", "DataError", "__version__",
+    "NonFiniteError", "DataError", "RankFailedError", "__version__",
 ]

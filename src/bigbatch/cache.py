@@ -188,6 +188,20 @@ def _surrogate_backward(emb: Tensor, grad: Tensor) -> None:
         torch.autograd.backward(emb.to(grad.dtype), grad)
 
 
+def _shared(error: Exception) -> Exception:
+    """Mark ``error`` as raised on every rank already (see :func:`_unshared`)."""
+    error._bigbatch_shared = True  # type: ignore[attr-defined]
+    return error
+
+
+def _unshared(error: Exception) -> Exception:
+    """``error`` if only this rank raised it; one that every rank raises already (shared by a
+    collective, e.g. a loss's :func:`bigbatch.distributed.raise_together`) is re-raised."""
+    if getattr(error, "_bigbatch_shared", False):
+        raise error
+    return error
+
+
 def _first_device(obj: Any) -> torch.device | None:
     if isinstance(obj, Tensor):
         return obj.device
@@ -242,9 +256,11 @@ class GradCache:
             :mod:`bigbatch.distributed` for the exact scaling). False: each rank's loss is local.
         process_group: the group to gather over and synchronise in (default: the world).
         sync_gradients: under ``torch.distributed``, sum the gradients over ranks once per
-            step (one coalesced all-reduce). Towers wrapped in DistributedDataParallel are
-            called through their inner module, so DDP never synchronises on its own; FSDP2
-            (``fully_shard``) towers reduce-scatter once, on the last replay that reaches them.
+            step (one coalesced all-reduce, which also carries the failure flags of the
+            step's second pass; with False, a small all-gather of those flags ends the step).
+            Towers wrapped in DistributedDataParallel are called through their inner module,
+            so DDP never synchronises on its own; FSDP2 (``fully_shard``) towers
+            reduce-scatter once, on the last replay that reaches them.
         params: the parameters to synchronise, when a tower is a plain function whose
             parameters the engine cannot find (default: the towers' and the loss's).
 
@@ -298,6 +314,7 @@ class GradCache:
         self.sync_gradients = sync_gradients
         self._explicit_params = None if params is None else list(params)
         self.last_sync_calls = 0  # collectives the last step used to synchronise gradients
+        self._where = ""  # where in the step this rank is, for a failure's message
         self._loss_names, self._loss_var_kw = _loss_parameters(loss_fn)
         if not self._loss_var_kw:
             missing = [n for n in self.towers if n not in self._loss_names]
@@ -469,6 +486,33 @@ class GradCache:
         collective is raised on every rank (the same class, naming the rank). The step runs
         with gradients enabled even when called under ``torch.no_grad()``; under
         ``torch.inference_mode()``, which nothing can lift, it raises ConfigError.
+
+        A failure on one rank later in the step (a tower raising or running out of memory,
+        in the first pass or the replay; the loss or its backward) ends the step on every
+        rank at once instead of leaving the others waiting in the next collective until the
+        process group's timeout: the failing rank raises its own exception, the others
+        :class:`~bigbatch.errors.RankFailedError` (or the failing rank's bigbatch error
+        class) naming that rank, where it failed and its message. The flag travels in the
+        collective the step makes next anyway, so a healthy step pays nothing extra:
+
+        - first pass: the after-embedding exchange (no gradient written yet);
+        - the loss: a local loss's finiteness exchange; a cross-device loss's closing
+          all-reduce (:class:`bigbatch.InfoNCE`, :class:`bigbatch.CorpusInfoNCE`); for a
+          generic loss, or a failure in the loss's backward, the embedding gather's backward
+          all-reduce, in which the failing rank takes part with zeros;
+        - the replay, and a local loss without ``check_finite``: the gradient sync. With
+          ``sync_gradients=False`` one small all-gather of the flags ends each step instead
+          (that is its only cost in the normal path), and with FSDP towers one more precedes
+          the replay (their replays are collective).
+
+        After such an error the gradients are incomplete (zero them) and the ranks are still
+        in step: the next step can run. Not covered, because the other ranks are then
+        inside a collective that the engine does not own: a failure inside an FSDP tower's
+        replay, or in a tower whose forward is itself collective (SyncBatchNorm, FSDP in the
+        first pass); a third-party ``cross_device_forward`` that fails before its own
+        collectives (pass ``failure=`` to :meth:`Gathered.all_reduce_sum` as InfoNCE does);
+        a rank that dies outright (killed, segfault) and never reaches the collective: the
+        others then wait for the process group's timeout.
         """
         if torch.is_inference_mode_enabled():
             raise ConfigError("GradCache.step() computes gradients; it cannot run under "
@@ -490,14 +534,33 @@ class GradCache:
             failure = e
         fsdp = self._fsdp_modules()
         counts = self._agree_on_sizes(runs, loss_kwargs, failure) if distributed else None
+        self._where = ""
         with self._no_sync(fsdp), torch.enable_grad():  # also when called under no_grad()
-            self._embed_all(runs)
-            if distributed:
-                self._agree_after_embedding(runs)
-            loss, total, metrics = self._loss_and_backward(runs, loss_kwargs, counts)
-            self._replay_all(runs, fsdp)
-        if distributed and self.sync_gradients:
-            self.last_sync_calls = D.all_reduce_gradients(sync_params, group)
+            if not distributed:
+                self._embed_all(runs)
+                _, total, metrics = self._loss_and_backward(runs, loss_kwargs)
+                self._replay_all(runs, fsdp)
+                return StepResult(total, metrics)
+            failure = None
+            try:
+                self._embed_all(runs)
+            except Exception as e:  # noqa: BLE001 - every rank raises in the exchange below
+                failure = e
+            self._agree_after_embedding(runs, failure, self._where)
+            failure, where, total, metrics = self._distributed_loss(runs, loss_kwargs, counts)
+            if fsdp:  # FSDP towers' replays are collective: agree on the loss's outcome first
+                D.share_failure(failure, D._exchange_ints([int(failure is not None)], group)[:, 0]
+                                .tolist(), group, where)
+            if failure is None:
+                try:
+                    self._replay_all(runs, fsdp)
+                except Exception as e:  # noqa: BLE001 - shared in the gradient sync below
+                    failure, where = _unshared(e), self._where
+        if self.sync_gradients:
+            self.last_sync_calls = D.all_reduce_gradients(sync_params, group, failure, where)
+        else:  # the flags travel alone (the caller synchronises the gradients itself)
+            D.share_failure(failure, D._exchange_ints([int(failure is not None)], group)[:, 0]
+                            .tolist(), group, where)
         return StepResult(total, metrics)
 
     def _check_arguments(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -525,6 +588,7 @@ class GradCache:
             for c, planned in enumerate(run.chunks):
                 keep = (self.reuse_last_chunk and i == last_trainable
                         and c == len(run.chunks) - 1)
+                self._where = f"while embedding tower {run.name!r} (chunk {c}, first pass)"
                 ctx = None
                 if run.trainable and not keep:  # before collating: a random collate_fn
                     ctx = RandContext(planned, devices=[self.device] if self.device else [])
@@ -545,30 +609,76 @@ class GradCache:
                 reps = torch.empty_like(reps).index_copy_(0, run.order.to(reps.device), reps)
             run.reps = reps.detach().requires_grad_(run.trainable)
 
-    def _loss_and_backward(self, runs: list[_TowerRun], loss_kwargs: dict[str, Any],
-                           counts: dict[str, list[int]] | None
+    def _loss_and_backward(self, runs: list[_TowerRun], loss_kwargs: dict[str, Any]
                            ) -> tuple[Tensor, Tensor, dict[str, Any]]:
-        """(2) The loss on the cached embeddings (gathered over ranks when cross-device) and
-        its backward to them. Returns (backpropagated loss, reported loss, metrics)."""
+        """(2) One process: the loss on the cached embeddings and its backward to them.
+        Returns (backpropagated loss, reported loss, metrics)."""
         reps = {run.name: run.reps for run in runs}
-        world = D.world_info(self.process_group).world_size if counts is not None else 1
-        if counts is not None and self.cross_device:
-            gathered = self._gather(runs, counts)
-            if hasattr(self.loss_fn, "cross_device_forward"):
-                part, total, metrics = self.loss_fn.cross_device_forward(gathered, **loss_kwargs)
-                self._check_loss(runs, total, local=False)
-                backprop = part
-            else:  # the global loss on every rank; the gather's backward sums W copies
-                total, metrics = self.compute_loss(gathered.reps, **loss_kwargs)
-                self._check_loss(runs, total, local=False)
-                backprop = total / world
-        else:
-            total, metrics = self.compute_loss(reps, **loss_kwargs)
-            self._check_loss(runs, total, local=True)
-            backprop = total / world  # no cross-device: the mean over ranks, as DDP
-        if backprop.requires_grad:
-            (self.scaler.scale(backprop) if self.scaler is not None else backprop).backward()
-        return backprop, total.detach(), metrics
+        total, metrics = self.compute_loss(reps, **loss_kwargs)
+        self._check_loss(runs, total, local=True)
+        if total.requires_grad:
+            (self.scaler.scale(total) if self.scaler is not None else total).backward()
+        return total, total.detach(), metrics
+
+    def _distributed_loss(self, runs: list[_TowerRun], loss_kwargs: dict[str, Any],
+                          counts: dict[str, list[int]]
+                          ) -> tuple[Exception | None, str, Tensor | None, dict[str, Any]]:
+        """(2) Under ``torch.distributed``: the loss on the cached embeddings (gathered over
+        ranks when cross-device) and its backward to them.
+
+        A failure on some ranks is shared in the first collective the other ranks make next,
+        so none of them waits there until the timeout: the cross-device protocol losses'
+        closing all-reduce (:meth:`Gathered.all_reduce_sum`), the gather's backward (a rank
+        whose loss or backward failed takes part in that all-reduce with zeros and a flag),
+        or the finiteness exchange of a local loss; every rank then raises. A failure no
+        collective follows before the gradient sync is returned instead, with where it
+        happened, and shared there. Returns (that failure, where, reported loss, metrics).
+        """
+        group = self.process_group
+        world = D.world_info(group).world_size
+        state = D._GatherState()
+        where, total, metrics = "in the loss", None, {}
+        try:
+            if self.cross_device:
+                gathered = self._gather(runs, counts, state)
+                if hasattr(self.loss_fn, "cross_device_forward"):
+                    part, total, metrics = self.loss_fn.cross_device_forward(gathered,
+                                                                            **loss_kwargs)
+                    self._check_loss(runs, total, local=False)
+                    backprop = part
+                else:  # the global loss on every rank; the gather's backward sums W copies
+                    total, metrics = self.compute_loss(gathered.reps, **loss_kwargs)
+                    self._check_loss(runs, total, local=False)
+                    backprop = total / world
+            else:  # a local loss: its finiteness exchange carries any failure
+                failure = None
+                try:
+                    total, metrics = self.compute_loss({r.name: r.reps for r in runs},
+                                                       **loss_kwargs)
+                    self._check_loss(runs, total, local=True, exchange=False)
+                except Exception as e:  # noqa: BLE001 - shared below or in the sync
+                    failure = e
+                if self.check_finite:
+                    ok = failure is not None or bool(torch.isfinite(total.detach()))
+                    table = D._exchange_ints([int(failure is not None), int(ok)], group)
+                    D.share_failure(failure, table[:, 0].tolist(), group, where)
+                    if not bool(table[:, 1].min()):
+                        raise _shared(NonFiniteError("the loss is NaN or inf on at least one "
+                                                     "rank; no gradient was written"))
+                elif failure is not None:
+                    return failure, where, None, {}
+                backprop = total / world  # no cross-device: the mean over ranks, as DDP
+            where = "in the loss's backward"
+            if backprop.requires_grad:
+                (self.scaler.scale(backprop) if self.scaler is not None else backprop).backward()
+        except D._PeerFailed as e:  # another rank failed; it took part in the gather's backward
+            D.share_failure(None, e.failed, group)
+        except Exception as e:  # noqa: BLE001 - this rank failed: tell the others
+            failure = _unshared(e)
+            if not state.pending:  # no collective before the sync: share it there
+                return failure, where, None, {}
+            D.share_failure(failure, D._fail_gather_backward(state), group, where)
+        return None, "", total.detach(), metrics
 
     def _replay_all(self, runs: list[_TowerRun], fsdp: list[nn.Module]) -> None:
         """(3) Replay each trainable chunk with gradients and backpropagate its cached gradient."""
@@ -590,6 +700,9 @@ class GradCache:
         for j, (run, c, g) in enumerate(jobs):
             if j in sync_at:  # reduce-scatter on each FSDP module's last backward only
                 self._set_fsdp_sync(sync_at[j], True)
+            self._where = (f"while re-embedding tower {run.name!r} (chunk {c}, second pass)"
+                           if c is not None else f"in the backward of tower {run.name!r} "
+                           f"(chunk {len(run.chunks) - 1}, kept from the first pass)")
             if c is None:
                 _surrogate_backward(run.kept, g)
                 run.kept = None
@@ -633,11 +746,20 @@ class GradCache:
                               f"size on every rank")
         return counts
 
-    def _agree_after_embedding(self, runs: list[_TowerRun]) -> None:
-        """Exchange finiteness and embedding width per tower, so all ranks fail together."""
-        finite = [int(bool(torch.isfinite(r.reps).all())) if self.check_finite else 1 for r in runs]
-        dims = [r.reps.shape[1] for r in runs]
-        table = D._exchange_ints(finite + dims, self.process_group)
+    def _agree_after_embedding(self, runs: list[_TowerRun], failure: Exception | None = None,
+                               where: str = "") -> None:
+        """Exchange whether embedding failed on this rank (``failure``: a tower raised, or
+        returned a wrong shape), finiteness and embedding width per tower, in one
+        all-gather, so that all ranks fail together (see :func:`bigbatch.distributed.share_failure`)."""
+        if failure is None:
+            finite = [int(bool(torch.isfinite(r.reps).all())) if self.check_finite else 1
+                      for r in runs]
+            dims = [r.reps.shape[1] for r in runs]
+        else:
+            finite, dims = [1] * len(runs), [0] * len(runs)
+        table = D._exchange_ints([int(failure is not None), *finite, *dims], self.process_group)
+        D.share_failure(failure, table[:, 0].tolist(), self.process_group, where)
+        table = table[:, 1:]
         for i, run in enumerate(runs):
             bad = [r for r in range(table.shape[0]) if table[r, i] == 0]
             if bad:
@@ -648,7 +770,8 @@ class GradCache:
                 raise ShapeError(f"tower {run.name!r} embeds to different widths on the ranks: "
                                  f"{widths}; every rank must run the same model")
 
-    def _gather(self, runs: list[_TowerRun], counts: dict[str, list[int]]) -> D.Gathered:
+    def _gather(self, runs: list[_TowerRun], counts: dict[str, list[int]],
+                state: Any = None) -> D.Gathered:
         """All towers' embeddings from all ranks, in one all-gather with gradient."""
         info = D.world_info(self.process_group)
         dtype = runs[0].reps.dtype
@@ -658,7 +781,7 @@ class GradCache:
         flat = torch.cat([run.reps.to(dtype).reshape(-1) for run in runs])
         sizes = [sum(counts[run.name][r] * d for run, d in zip(runs, dims))
                  for r in range(info.world_size)]
-        every = D.gather_with_grad(flat, self.process_group, sizes).split(sizes)
+        every = D.gather_with_grad(flat, self.process_group, sizes, state).split(sizes)
         per_tower: dict[str, list[Tensor]] = {run.name: [] for run in runs}
         for r, part in enumerate(every):
             pieces = part.split([counts[run.name][r] * d for run, d in zip(runs, dims)])
@@ -749,13 +872,16 @@ class GradCache:
             params.extend(self.loss_fn.parameters())
         return params
 
-    def _check_loss(self, runs: list[_TowerRun], loss: Any, local: bool) -> None:
+    def _check_loss(self, runs: list[_TowerRun], loss: Any, local: bool,
+                    exchange: bool = True) -> None:
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             raise ShapeError(f"loss_fn must return a scalar loss, got "
                              f"{tuple(loss.shape) if isinstance(loss, Tensor) else type(loss)}")
         if not self.check_finite:
             return
         if D.is_distributed(self.process_group):
+            if local and not exchange:  # the caller exchanges it
+                return
             ok = bool(torch.isfinite(loss.detach()))
             if local:  # a rank-local loss: agree, so that every rank raises together
                 ok = bool(D._exchange_ints([int(ok)], self.process_group).min())

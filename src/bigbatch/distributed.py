@@ -1,8 +1,11 @@
 """Cross-device negatives and one gradient synchronisation per step, on ``torch.distributed``.
 
 World helpers (:func:`world_info`, :func:`init_distributed`), :func:`gather_with_grad` (an
-all-gather whose backward hands each rank its slice of the summed gradient), and
-:func:`all_reduce_gradients` (one coalesced all-reduce of every gradient).
+all-gather whose backward hands each rank its slice of the summed gradient),
+:func:`all_reduce_gradients` (one coalesced all-reduce of every gradient), and
+:func:`raise_together` / :func:`share_failure`, with which a failure on one rank is raised on
+every rank (its flag carried by a collective the step makes anyway) instead of leaving the
+others waiting in the next collective until the timeout.
 
 The scaling argument (why there is no factor of world size anywhere)
 --------------------------------------------------------------------
@@ -48,7 +51,7 @@ from . import errors
 __all__ = [
     "WorldInfo", "world_info", "is_distributed", "init_distributed", "gather_with_grad",
     "all_gather_rows", "all_reduce_gradients", "Gathered", "unwrap_ddp", "is_fsdp",
-    "raise_together",
+    "raise_together", "share_failure",
 ]
 
 
@@ -178,42 +181,147 @@ def _raise_shared(error: BaseException | None, failed: Sequence[int], group: Any
     if not (isinstance(cls, type) and issubclass(cls, errors.BigBatchError)):
         cls, message = errors.InputError, f"{name}: {message}"
     more = f" (and rank(s) {ranks[1:]})" if len(ranks) > 1 else ""
-    raise cls(f"rank {ranks[0]}{more}: {message}") from error
+    shared = cls(f"rank {ranks[0]}{more}: {message}")
+    shared._bigbatch_shared = True  # type: ignore[attr-defined] - the engine re-raises it
+    raise shared from error
+
+
+def share_failure(error: BaseException | None, failed: Sequence[int], group: Any = None,
+                  where: str = "") -> None:
+    """Every rank raises when any rank failed (``failed[r]`` nonzero, already exchanged in a
+    collective the step made anyway, the same on every rank); nothing happens otherwise.
+
+    The failing rank raises its own ``error`` unchanged (with its traceback). The others
+    raise an error naming the first failing rank, ``where`` it failed and its exception: of
+    the same class when it is a :mod:`bigbatch.errors` one, else
+    :class:`~bigbatch.errors.RankFailedError`. Costs one ``all_gather_object`` of the
+    messages, only when something failed.
+    """
+    import torch.distributed as dist
+
+    ranks = [r for r, f in enumerate(failed) if f]
+    if not ranks:
+        return
+    mine = None if error is None else (type(error).__name__, str(error), where)
+    every: list[Any] = [None] * len(failed)
+    dist.all_gather_object(every, mine, group=group)
+    if error is not None:
+        error._bigbatch_shared = True  # type: ignore[attr-defined] - the engine re-raises it
+        if hasattr(error, "add_note"):
+            error.add_note(f"bigbatch: raised on rank {dist.get_rank(group)}"
+                           f"{' ' + where if where else ''}; the other ranks raised an error "
+                           f"naming this rank")
+        raise error
+    name, message, at = every[ranks[0]]
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.BigBatchError)):
+        cls, message = errors.RankFailedError, f"{name}: {message}"
+    more = f" (and rank(s) {ranks[1:]})" if len(ranks) > 1 else ""
+    shared = cls(f"rank {ranks[0]}{more} failed{' ' + at if at else ''}: {message} (this rank "
+                 f"stopped the step as well; zero the gradients before another step)")
+    shared._bigbatch_shared = True  # type: ignore[attr-defined]
+    raise shared
+
+
+def _one_hot(failed: bool, group: Any) -> list[int]:
+    """This rank's failure flag at its own index: summed over ranks, it says who failed."""
+    import torch.distributed as dist
+
+    flags = [0] * dist.get_world_size(group)
+    flags[dist.get_rank(group)] = int(failed)
+    return flags
+
+
+class _PeerFailed(Exception):
+    """Raised in the gather's backward when another rank flagged a failure there (internal:
+    the engine turns it into :func:`share_failure`)."""
+
+    def __init__(self, failed: list[int]) -> None:
+        super().__init__(f"rank(s) {[r for r, f in enumerate(failed) if f]} failed")
+        self.failed = failed
+
+
+class _GatherState:
+    """What a rank that failed before the gather's backward needs to take part in that
+    backward's all-reduce anyway (:func:`_fail_gather_backward`), and whether it ran."""
+
+    def __init__(self) -> None:
+        self.shape: tuple[int, ...] | None = None
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+        self.group: Any = None
+        self.reduced = False
+
+    @property
+    def pending(self) -> bool:
+        """The gather ran with gradient, and its backward's all-reduce did not."""
+        return self.shape is not None and not self.reduced
+
+
+def _reduce_with_flags(t: Tensor, failed: bool, group: Any) -> tuple[Tensor, list[int]]:
+    """All-reduce (SUM) ``t`` with one failure flag per rank appended to the same buffer;
+    returns the summed ``t`` (on the communication device) and the per-rank flags."""
+    import torch.distributed as dist
+
+    dev = _comm_device(t, group)
+    flags = torch.tensor(_one_hot(failed, group), dtype=t.dtype, device=dev)
+    buf = torch.cat([t.detach().to(dev).reshape(-1), flags])
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    n = t.numel()
+    return buf[:n].view(t.shape), [int(f != 0) for f in buf[n:].tolist()]
+
+
+def _fail_gather_backward(state: _GatherState) -> list[int]:
+    """On a rank that failed between the gather and its backward: the all-reduce that the
+    other ranks' backward makes, with zeros and this rank's failure flag. Returns the flags."""
+    zeros = torch.zeros(state.shape, dtype=state.dtype, device=state.device)
+    _, failed = _reduce_with_flags(zeros, True, state.group)
+    state.reduced = True
+    return failed
 
 
 class _GatherWithGrad(torch.autograd.Function):
     """All-gather rows; backward all-reduces (SUM) the gathered gradient and returns this
     rank's rows. An all-reduce rather than a reduce-scatter: it handles uneven row counts
-    and every backend (gloo has no reduce-scatter), and embedding gradients are small."""
+    and every backend (gloo has no reduce-scatter), and embedding gradients are small.
+    The backward's buffer carries one failure flag per rank (see :func:`_fail_gather_backward`):
+    a rank whose loss failed still takes part, and the others raise :class:`_PeerFailed`."""
 
     @staticmethod
-    def forward(ctx: Any, t: Tensor, group: Any, sizes: tuple[int, ...]) -> Tensor:
+    def forward(ctx: Any, t: Tensor, group: Any, sizes: tuple[int, ...],
+                state: _GatherState | None) -> Tensor:
         import torch.distributed as dist
 
         ctx.group = group
         rank = dist.get_rank(group)
         ctx.lo = sum(sizes[:rank])
         ctx.hi = ctx.lo + sizes[rank]
-        return all_gather_rows(t, group, sizes)
+        ctx.state = state
+        out = all_gather_rows(t, group, sizes)
+        if state is not None and t.requires_grad:
+            state.shape, state.dtype, state.device = tuple(out.shape), out.dtype, out.device
+            state.group, state.reduced = group, False
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        import torch.distributed as dist
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        total, failed = _reduce_with_flags(grad.contiguous(), False, ctx.group)
+        if ctx.state is not None:
+            ctx.state.reduced = True
+        if any(failed):
+            raise _PeerFailed(failed)
+        return total[ctx.lo:ctx.hi].to(grad.device), None, None, None
 
-        dev = _comm_device(grad, ctx.group)
-        total = grad.detach().to(dev).contiguous().clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
-        return total[ctx.lo:ctx.hi].to(grad.device), None, None
 
-
-def gather_with_grad(t: Tensor, group: Any = None, sizes: Sequence[int] | None = None) -> Tensor:
+def gather_with_grad(t: Tensor, group: Any = None, sizes: Sequence[int] | None = None,
+                     _state: _GatherState | None = None) -> Tensor:
     """All-gather ``t`` (rows may differ per rank) with gradient: the backward returns to each
     rank its slice of the gradient summed over all ranks. Identity when not distributed."""
     if not is_distributed(group):
         return t
     if sizes is None:
         sizes = _exchange_ints([t.shape[0]], group)[:, 0].tolist()
-    return _GatherWithGrad.apply(t, group, tuple(int(s) for s in sizes))
+    return _GatherWithGrad.apply(t, group, tuple(int(s) for s in sizes), _state)
 
 
 @dataclass
@@ -259,14 +367,17 @@ class Gathered:
         next collective."""
         return raise_together(error, self.group, values)
 
-    def all_reduce_sum(self, t: Tensor) -> Tensor:
-        """Sum ``t`` over ranks (no gradient), returned on ``t``'s device."""
-        import torch.distributed as dist
+    def all_reduce_sum(self, t: Tensor, failure: BaseException | None = None,
+                       where: str = "in the loss") -> Tensor:
+        """Sum ``t`` over ranks (no gradient), returned on ``t``'s device.
 
-        dev = _comm_device(t, self.group)
-        out = t.detach().to(dev).clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
-        return out.to(t.device)
+        A loss whose own computation failed on this rank passes the exception as ``failure``
+        (and a ``t`` of zeros, shaped as on the other ranks): a flag per rank travels in the
+        same all-reduce, and every rank raises (see :func:`share_failure`) instead of the
+        others going on to the next collective alone."""
+        summed, failed = _reduce_with_flags(t, failure is not None, self.group)
+        share_failure(failure, failed, self.group, where)
+        return summed.to(t.device)
 
 
 def unwrap_ddp(module: Any) -> Any:
@@ -293,7 +404,8 @@ def _is_dtensor(t: Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def all_reduce_gradients(params: Iterable[nn.Parameter], group: Any = None) -> int:
+def all_reduce_gradients(params: Iterable[nn.Parameter], group: Any = None,
+                         failure: BaseException | None = None, where: str = "") -> int:
     """Sum the ``.grad`` of ``params`` over ranks in one coalesced all-reduce per dtype.
 
     A parameter whose gradient is ``None`` on a rank contributes zeros; its gradient stays
@@ -301,6 +413,11 @@ def all_reduce_gradients(params: Iterable[nn.Parameter], group: Any = None) -> i
     buffer), so ranks that used different parameter subsets neither hang nor drop gradients.
     Parameters that are FSDP2 DTensors are skipped (FSDP reduces them). Returns the number
     of collective calls made (one per dtype, normally 1).
+
+    ``failure``: this rank's step failed before its gradients were complete; a flag per rank
+    travels in the same buffer and, if any rank flagged one, every rank raises (see
+    :func:`share_failure`; ``where`` says where it failed) and no gradient is changed. With no
+    parameter to reduce, the flags travel alone (one small all-gather).
     """
     import torch.distributed as dist
 
@@ -312,18 +429,29 @@ def all_reduce_gradients(params: Iterable[nn.Parameter], group: Any = None) -> i
     for p in unique.values():
         by_dtype.setdefault((p.dtype, p.device), []).append(p)
     calls = 0
+    world = dist.get_world_size(group)
+    reduced = []
+    failed = [0] * world
     for (dtype, device), plist in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
         dev = _comm_device(device, group)
         numels = [p.numel() for p in plist]
-        flat = torch.zeros(sum(numels) + len(plist), dtype=dtype, device=dev)
-        views = flat[: sum(numels)].split(numels)
-        flags = flat[sum(numels):]
+        n = sum(numels)
+        flat = torch.zeros(n + len(plist) + world, dtype=dtype, device=dev)
+        views = flat[:n].split(numels)
+        flags = flat[n:n + len(plist)]
+        flat[n + len(plist):] = torch.tensor(_one_hot(failure is not None, group), dtype=dtype)
         for i, (p, v) in enumerate(zip(plist, views)):
             if p.grad is not None:
                 v.copy_(p.grad.reshape(-1))
                 flags[i] = 1
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         calls += 1
+        failed = [int(f != 0) for f in flat[n + len(plist):].tolist()]
+        reduced.append((plist, views, flags))
+    if not reduced:  # nothing to reduce: the failure flags travel alone
+        failed = _exchange_ints([int(failure is not None)], group)[:, 0].tolist()
+    share_failure(failure, failed, group, where)
+    for plist, views, flags in reduced:
         present = (flags > 0).tolist()
         for p, v, has in zip(plist, views, present):
             if not has:

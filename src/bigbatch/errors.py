@@ -15,6 +15,7 @@ __all__ = [
     "ShapeError",
     "NonFiniteError",
     "DataError",
+    "RankFailedError",
 ]
 
 
@@ -37,6 +38,13 @@ class ShapeError(BigBatchError, ValueError):
 
 class NonFiniteError(BigBatchError, FloatingPointError):
     """NaN or inf in an embedding or in the loss; raised before any gradient is written."""
+
+
+class RankFailedError(BigBatchError, RuntimeError):
+    """Another process of a ``torch.distributed`` step failed (its tower, its loss, an
+    out-of-memory) with an exception that is not a bigbatch error: raised on the ranks that
+    did not fail, naming the rank that did and its exception, so that no rank waits in the
+    step's next collective until the timeout. The failing rank raises its own exception."""
 
 
 class DataError(BigBatchError, ValueError):

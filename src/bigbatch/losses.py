@@ -394,10 +394,18 @@ class InfoNCE(nn.Module):
         q_pos_all = torch.cat([d_off + torch.arange(b, device=dev) * group
                                for d_off, b in zip(gathered.offsets["doc"], bq)])
         rank = gathered.rank
-        part, st, scale = self._compute(q_all, d_all, gathered.offsets["query"][rank], bq[rank],
-                                        gathered.offsets["doc"][rank], sum(bq), k, ids_all,
-                                        q_pos_all)
-        summed = gathered.all_reduce_sum(torch.cat([part.detach().reshape(1), st]))
+        failure, stats = None, None
+        try:  # an out-of-memory in the logits on one rank: all ranks raise in the all-reduce
+            part, st, scale = self._compute(q_all, d_all, gathered.offsets["query"][rank],
+                                            bq[rank], gathered.offsets["doc"][rank], sum(bq), k,
+                                            ids_all, q_pos_all)
+            stats = torch.cat([part.detach().reshape(1), st])
+        except Exception as e:  # noqa: BLE001 - shared by all_reduce_sum, which raises it
+            failure = e
+            dtype = torch.promote_types(torch.promote_types(q_all.dtype, d_all.dtype),
+                                        torch.float32)
+            stats = torch.zeros(1 + len(_STATS), dtype=dtype, device=dev)
+        summed = gathered.all_reduce_sum(stats, failure)
         metrics = self._metrics(summed[1:], scale, sum(bq), sum(nd), k)
         return PartialLoss(part, summed[0], metrics)
 
@@ -547,7 +555,14 @@ class CorpusInfoNCE(nn.Module):
             failure = e
         gathered.raise_together(failure)
         b_total = sum(gathered.counts["query"])
-        loss_sum, st, scale = self._sums(query, target, other_positives)
-        part = loss_sum / b_total
-        summed = gathered.all_reduce_sum(torch.cat([part.detach().to(st.dtype).reshape(1), st]))
+        failure = None
+        try:  # a failure on one rank (out of memory): all ranks raise in the all-reduce
+            loss_sum, st, scale = self._sums(query, target, other_positives)
+            part = loss_sum / b_total
+            stats = torch.cat([part.detach().to(st.dtype).reshape(1), st])
+        except Exception as e:  # noqa: BLE001 - shared by all_reduce_sum, which raises it
+            failure = e
+            stats = torch.zeros(6, dtype=torch.promote_types(query.dtype, torch.float32),
+                                device=query.device)  # the loss and the 5 sums of _sums
+        summed = gathered.all_reduce_sum(stats, failure)
         return PartialLoss(part, summed[0], self._metrics(summed[1:], scale, b_total))
