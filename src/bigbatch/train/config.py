@@ -89,6 +89,8 @@ class TrainConfig:
 
         if not self.model:
             raise ConfigError("--model is required: a path or name of a transformers model")
+        from ..encoders.base import check_model_source
+        check_model_source(self.model)  # before any data loads: an adapter, a missing path
         if not self.train_data:
             raise ConfigError("--train-data is required: a training file (JSONL in the "
                               "contrastors, swift or st layout, or st Parquet) or a BEIR "
