@@ -236,6 +236,25 @@ def _check_keys(keys: Any, source: str) -> None:
             raise ConfigError(f"{source}: unknown option {key!r}{hint}")
 
 
+def _key_lines(text: str) -> dict[Any, int]:
+    """The line (1-based) of each top-level key of a YAML mapping, for error messages."""
+    import yaml
+
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:  # pragma: no cover - safe_load already parsed it
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    out: dict[Any, int] = {}
+    for key, _ in node.value:
+        try:
+            out[yaml.safe_load(yaml.serialize(key))] = key.start_mark.line + 1
+        except yaml.YAMLError:  # pragma: no cover
+            continue
+    return out
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults, then the YAML file ``path`` (keys spelled with ``_`` or ``-``), then
     ``overrides`` (the flags given on the command line). Returns a validated config."""
@@ -252,9 +271,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"{p}: not valid YAML: {e}") from e
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a mapping of option: value")
-        loaded = {str(k).replace("-", "_"): v for k, v in loaded.items()}
-        _check_keys(loaded, str(p))
-        values.update({k: _coerce(k, v, str(p)) for k, v in loaded.items()})
+        lines = _key_lines(p.read_text())
+        loaded = {str(k).replace("-", "_"): (v, f"{p}:{lines[k]}" if k in lines else str(p))
+                  for k, v in loaded.items()}
+        for k, (v, where) in loaded.items():
+            _check_keys([k], where)
+        values.update({k: _coerce(k, v, where) for k, (v, where) in loaded.items()})
     for k, v in (overrides or {}).items():
         k = k.replace("-", "_")
         _check_keys([k], "command line")
