@@ -287,19 +287,34 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 # what a sentence-transformers model folder says about how it embeds
 _ST_KEYS = ("pooling", "max_length", "query_prefix", "doc_prefix")
+# what a vision-language folder bigbatch saved says about how it embeds
+_VL_KEYS = ("query_instruction", "doc_instruction", "max_num_visual_tokens",
+            "min_num_visual_tokens", "max_length")
 
 
 def _model_defaults(values: dict[str, Any]) -> dict[str, Any]:
     """Options the user did not set, taken from a text model folder's sentence-transformers
-    configuration (pooling, max length, query/document prompts), so a CLS-pooled, prompted
-    model trains as it embeds, and as ``bigbatch mine`` / ``eval`` embed with it."""
+    configuration (pooling, max length, query/document prompts), or from the
+    ``bigbatch_encoder.json`` of a vision-language folder bigbatch saved (instructions, pixel
+    budget, max length), so a model trains as it embeds, and as ``bigbatch mine`` / ``eval``
+    embed with it."""
     model = values.get("model")
-    if not model or all(k in values for k in _ST_KEYS) or not Path(model).is_dir():
+    if not model or not Path(model).is_dir():
         return values
     from ..encoders.loading import st_settings
     from ..encoders.vision import is_vision_language_model
 
     if values.get("encoder") == "vision-language" or is_vision_language_model(model):
+        meta = Path(model) / "bigbatch_encoder.json"
+        if not meta.exists() or all(k in values for k in _VL_KEYS):
+            return values
+        import json
+        try:
+            found = json.loads(meta.read_text())
+        except ValueError as e:
+            raise ConfigError(f"{meta}: not valid JSON: {e}") from e
+        return {**{k: found[k] for k in _VL_KEYS if found.get(k) is not None}, **values}
+    if all(k in values for k in _ST_KEYS):
         return values
     try:
         found = st_settings(model)
