@@ -271,3 +271,22 @@ def test_an_adapter_whose_base_is_gone_is_a_clear_error(tiny, tmp_path):
                                           r"exist"):
         load_encoder(out)
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+
+def test_cls_pooling_of_left_padded_rows_matches_sentence_transformers(tiny, tmp_path):
+    """``cls`` took column 0, which is padding in a left-padded row: the saved folder's
+    embeddings differed from sentence-transformers' (which pools the first real token)."""
+    from sentence_transformers import SentenceTransformer
+
+    enc = TextEncoder(tiny, pooling="cls", max_length=64).eval()
+    enc.tokenizer.padding_side = "left"
+    tokens = enc.tokenize(TEXTS)
+    first = tokens["attention_mask"].int().argmax(1)
+    assert (first > 0).any()  # some rows really are left-padded
+    hidden = enc.model(**tokens).last_hidden_state
+    want = torch.nn.functional.normalize(hidden[torch.arange(3), first], dim=-1)
+    assert torch.allclose(enc(**tokens), want, atol=1e-6)
+    batch = enc.encode(TEXTS)
+    st = SentenceTransformer(str(enc.save(tmp_path / "final")), device="cpu")
+    assert st.tokenizer.padding_side == "left"
+    assert torch.allclose(torch.tensor(st.encode(TEXTS)), batch, atol=1e-5)

@@ -95,12 +95,14 @@ def load_pretrained(name: str, allowed_missing: tuple[str, ...] = (), **kwargs: 
 
 def pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
     """Pool ``(rows, tokens, dim)`` hidden states by the attention mask: ``mean``, ``cls``
-    or ``last`` (the last non-padding token, whichever side the padding is on)."""
+    (the first non-padding token) or ``last`` (the last non-padding token), whichever side
+    the padding is on, as sentence-transformers pools."""
     if mode == "mean":
         m = mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
-    if mode == "cls":
-        return hidden[:, 0]
+    if mode == "cls":  # position 0 is padding in a left-padded row
+        idx = mask.int().argmax(1)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
     # last: the last non-padding token of each row, whichever side the padding is on
     t = mask.shape[1]
     idx = t - 1 - mask.flip(1).int().argmax(1)
