@@ -48,6 +48,8 @@ _HELP = {
     "dtype": "autocast dtype for the encoder: float32, bfloat16 or float16",
     "device": "cpu, cuda, cuda:1 ... (default: cuda:LOCAL_RANK when available, else cpu)",
     "dist_timeout": "seconds before a stuck collective fails (torchrun)",
+    "query_max_length": "truncation of queries in training steps (default: --max-length); "
+                        "evaluation and the saved model use --max-length for queries too",
     "query_grad_cache_chunk": "rows per GradCache chunk for the query tower (default: "
                               "--grad-cache-chunk); text queries are cheaper than page images",
     "encoder": "auto (vision-language for Qwen2-VL/2.5-VL/3-VL, else text), text, "
