@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .data.formats import FORMATS, SWIFT_DOC_INSTRUCTION, SWIFT_QUERY_INSTRUCTION
 from .errors import BigBatchError, ConfigError
@@ -47,6 +48,8 @@ _HELP = {
     "dtype": "autocast dtype for the encoder: float32, bfloat16 or float16",
     "device": "cpu, cuda, cuda:1 ... (default: cuda:LOCAL_RANK when available, else cpu)",
     "dist_timeout": "seconds before a stuck collective fails (torchrun)",
+    "query_max_length": "truncation of queries in training steps (default: --max-length); "
+                        "evaluation and the saved model use --max-length for queries too",
     "query_grad_cache_chunk": "rows per GradCache chunk for the query tower (default: "
                               "--grad-cache-chunk); text queries are cheaper than page images",
     "encoder": "auto (vision-language for Qwen2-VL/2.5-VL/3-VL, else text), text, "
@@ -252,6 +255,9 @@ def _eval(args: argparse.Namespace) -> int:
     from .encoders import load_encoder
     from .evaluate import evaluate_beir
 
+    if args.output and not Path(args.output).parent.is_dir():
+        raise ConfigError(f"--output: the folder {Path(args.output).parent} does not exist "
+                          f"(checked before evaluating, so no evaluation is lost)")
     device = _device(args.device)
     results = []
     for path in args.model:
@@ -339,15 +345,20 @@ def _mine(args: argparse.Namespace) -> int:
 def format_eval_table(results: list[dict]) -> str:
     """One row per model (and per query subset): nDCG@10, R@1/5/10, MRR@10, similarities."""
     keys = ("ndcg@10", "recall@1", "recall@5", "recall@10", "mrr@10", "pos_sim", "margin")
-    names = [str(r["model"]) for r in results]
-    width = max(12, *(min(len(n), 60) for n in names)) + 2
+    limit = 60  # a longer name keeps its end (the part that tells runs apart), after "..."
+
+    def short(name: str) -> str:
+        return name if len(name) <= limit else "..." + name[-(limit - 3):]
+
+    names = [short(str(r["model"])) for r in results]
+    width = max(12, *(len(n) + len(" [unseen]") for n in names)) + 2
     lines = [f"{'model':<{width}}{'queries':>9}" + "".join(f"{k:>11}" for k in keys)]
     for prefix, label in (("", ""), ("unseen/", " [unseen]")):
         for r in results:
             m = r["metrics"]
             if f"{prefix}ndcg@10" not in m:
                 continue
-            name = (str(r["model"])[-(width - 12):] + label)
+            name = short(str(r["model"])) + label
             lines.append(f"{name:<{width}}{int(m[prefix + 'queries']):>9}"
                          + "".join(f"{m[prefix + k]:>11.4f}" for k in keys))
     return "\n".join(lines)

@@ -217,3 +217,30 @@ def test_ratio_rule_keeps_the_threshold_below_a_negative_positive_score(tmp_path
                                                max_score_ratio=0.95), progress=False)
     assert json.loads(out.read_text())["negative_ids"] == ["c5", "c6", "c7"]
     assert report.dropped_as_false_negative == 4
+
+
+def test_eval_table_tells_models_apart():
+    """Every model name was cut by 10 characters (room for " [unseen]" taken from the name):
+    runs/exp1/final and runs/exp2/final both printed as "final"."""
+    from bigbatch.cli import format_eval_table
+
+    m = {"ndcg@10": 0.5, "recall@1": 0.1, "recall@5": 0.2, "recall@10": 0.3, "mrr@10": 0.4,
+         "pos_sim": 0.6, "margin": 0.1, "queries": 3.0}
+    m = {**m, **{f"unseen/{k}": v for k, v in m.items()}}
+    long = "/data/" + "x" * 80 + "/exp3/final"
+    table = format_eval_table([{"model": n, "metrics": m} for n in
+                               ("runs/exp1/final", "runs/exp2/final", long)])
+    rows = table.splitlines()[1:]
+    assert rows[0].startswith("runs/exp1/final ") and rows[1].startswith("runs/exp2/final ")
+    assert rows[2].startswith("..." + "x" * 46 + "/exp3/final ")
+    assert rows[3].startswith("runs/exp1/final [unseen] ")
+    assert rows[5].startswith("...") and "/exp3/final [unseen] " in rows[5]
+    assert len({len(r) for r in rows}) == 1  # the columns line up
+
+
+def test_eval_output_folder_is_checked_before_evaluating(tmp_path, capsys):
+    """--output into a folder that does not exist failed with a traceback after the whole
+    evaluation had run; now it is refused first."""
+    assert main(["eval", "--model", str(tmp_path / "no-model"), "--data", str(tmp_path),
+                 "--output", str(tmp_path / "missing" / "out.json")]) == 2
+    assert "--output: the folder" in capsys.readouterr().err

@@ -42,10 +42,10 @@ def test_resolved_config_round_trips(tmp_path):
     assert again == c
 
 
-def test_unknown_key_names_file_and_suggests(tmp_path):
+def test_unknown_key_names_file_line_and_suggests(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("model: m\ntrain_data: d\nbatch_sise: 3\n")
-    with pytest.raises(ConfigError, match=r"c.yaml: unknown option 'batch_sise'; did you mean 'batch_size'"):
+    with pytest.raises(ConfigError, match=r"c.yaml:3: unknown option 'batch_sise'; did you mean 'batch_size'"):
         load_config(f)
 
 
@@ -56,8 +56,8 @@ def test_unknown_key_names_file_and_suggests(tmp_path):
 ])
 def test_bad_yaml_values(tmp_path, key, value, match):
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"model": "m", "train_data": "d", key: value}))
-    with pytest.raises(ConfigError, match=match):
+    f.write_text(yaml.safe_dump({"model": "m", "train_data": "d", key: value}, sort_keys=False))
+    with pytest.raises(ConfigError, match="c.yaml:3: " + match):  # file, line and field
         load_config(f)
 
 

@@ -236,3 +236,61 @@ def test_saved_folder_names_its_base_model_by_absolute_path(tiny, tmp_path, monk
     assert torch.allclose(load_encoder(out).encode(TEXTS, kind="doc"), ours, atol=1e-5)
     st = SentenceTransformer(str(out), device="cpu")
     assert torch.allclose(torch.tensor(st.encode(TEXTS, prompt_name="document")), ours, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora_r", [4, 0])
+def test_an_adapter_folder_is_refused_as_a_model_to_train(tiny, tmp_path, lora_r):
+    """A LoRA run's ``final/`` is an adapter, not a model: transformers loads it with the
+    adapter frozen, so a new LoRA of the same name replaced it (its training silently gone,
+    training restarted from the base) and full fine-tuning had nothing to train. Refused,
+    naming the base model, as are a checkpoint directory and a path that does not exist."""
+    from bigbatch.train.config import load_config
+
+    out = _trained(tiny, lora=True).save(tmp_path / "final")
+    with pytest.raises(ConfigError, match=r"final is a LoRA adapter over .*bert"):
+        TextEncoder(out, lora_r=lora_r, max_length=64)
+    with pytest.raises(ConfigError, match="--model: .* is a LoRA adapter"):
+        load_config(None, {"model": str(out), "train_data": str(tmp_path)})
+    ckpt = tmp_path / "run" / "checkpoint-000002"
+    (ckpt / "model").mkdir(parents=True)
+    (ckpt / "trainer_state.pt").write_bytes(b"")
+    with pytest.raises(ConfigError, match="checkpoint directory; give its model folder"):
+        TextEncoder(ckpt)
+    with pytest.raises(ConfigError, match="--model: .*nowhere does not exist"):
+        TextEncoder(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="holds no transformers model"):
+        TextEncoder(tmp_path / "run")
+
+
+def test_an_adapter_whose_base_is_gone_is_a_clear_error(tiny, tmp_path):
+    import json
+    import shutil
+
+    from bigbatch.encoders import load_encoder
+
+    shutil.copytree(tiny, tmp_path / "bert")
+    out = _trained(tmp_path / "bert", lora=True).save(tmp_path / "final")
+    shutil.rmtree(tmp_path / "bert")
+    with pytest.raises(ConfigError, match=r"final: the adapter's base model: .*bert does not "
+                                          r"exist"):
+        load_encoder(out)
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+
+def test_cls_pooling_of_left_padded_rows_matches_sentence_transformers(tiny, tmp_path):
+    """``cls`` took column 0, which is padding in a left-padded row: the saved folder's
+    embeddings differed from sentence-transformers' (which pools the first real token)."""
+    from sentence_transformers import SentenceTransformer
+
+    enc = TextEncoder(tiny, pooling="cls", max_length=64).eval()
+    enc.tokenizer.padding_side = "left"
+    tokens = enc.tokenize(TEXTS)
+    first = tokens["attention_mask"].int().argmax(1)
+    assert (first > 0).any()  # some rows really are left-padded
+    hidden = enc.model(**tokens).last_hidden_state
+    want = torch.nn.functional.normalize(hidden[torch.arange(3), first], dim=-1)
+    assert torch.allclose(enc(**tokens), want, atol=1e-6)
+    batch = enc.encode(TEXTS)
+    st = SentenceTransformer(str(enc.save(tmp_path / "final")), device="cpu")
+    assert st.tokenizer.padding_side == "left"
+    assert torch.allclose(torch.tensor(st.encode(TEXTS)), batch, atol=1e-5)

@@ -234,3 +234,26 @@ def test_generation_checkpoints_load_into_the_encoder(tiny_vl, page_images, tmp_
         want = VisionLanguageEncoder(base, max_num_visual_tokens=8).eval().encode(inputs, "doc")
         got = VisionLanguageEncoder(out, max_num_visual_tokens=8).eval().encode(inputs, "doc")
     assert torch.equal(want, got)
+
+
+def test_training_from_a_saved_folder_embeds_as_it_was_saved(tiny_vl, tmp_path):
+    """``bigbatch train --model <a vision-language folder bigbatch saved>`` took the seed's
+    instructions and 256 visual tokens whatever the folder recorded, so the run's base
+    evaluation disagreed with ``bigbatch eval`` on the same folder. Given options still win.
+    A LoRA adapter folder is refused (its training would be dropped)."""
+    from bigbatch.errors import ConfigError
+    from bigbatch.train.config import load_config
+
+    enc = VisionLanguageEncoder(tiny_vl("qwen3_vl"), query_instruction="Find the page.",
+                                doc_instruction="A page.", max_num_visual_tokens=16,
+                                max_length=128)
+    out = enc.save(tmp_path / "final")
+    c = load_config(None, {"model": str(out), "train_data": str(tmp_path)})
+    assert (c.query_instruction, c.doc_instruction, c.max_num_visual_tokens,
+            c.min_num_visual_tokens, c.max_length) == ("Find the page.", "A page.", 16, 4, 128)
+    c = load_config(None, {"model": str(out), "train_data": str(tmp_path),
+                           "max_num_visual_tokens": 32, "query_instruction": "Q"})
+    assert (c.query_instruction, c.max_num_visual_tokens) == ("Q", 32)
+    adapter = VisionLanguageEncoder(tiny_vl("qwen3_vl"), lora_r=2).save(tmp_path / "adapter")
+    with pytest.raises(ConfigError, match="is a LoRA adapter over"):
+        load_config(None, {"model": str(adapter), "train_data": str(tmp_path)})

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["EncoderBase", "FrozenDocTower", "pool", "load_pretrained", "model_reference"]
+__all__ = ["EncoderBase", "FrozenDocTower", "pool", "load_pretrained", "model_reference",
+           "check_model_source"]
 
 
 def model_reference(model: str | os.PathLike) -> str:
@@ -21,6 +22,51 @@ def model_reference(model: str | os.PathLike) -> str:
     folder loads from any working directory; a hub name as given."""
     path = Path(model)
     return str(path.resolve()) if path.exists() else str(model)
+
+
+def check_model_source(model: str | os.PathLike, option: str = "--model") -> None:
+    """Refuse a model source that is not a full transformers model, before anything loads.
+
+    A local folder must hold ``config.json``. A LoRA adapter folder (a LoRA run's ``final/``
+    or ``checkpoint-N/model``) is not one: transformers would load it with the adapter
+    frozen, and a new adapter of the same name would silently replace it, so training would
+    start from the base model and lose the adapter's training. A path that does not exist is
+    refused too; a hub name (``namespace/name``) is left to transformers.
+
+    Raises:
+        ConfigError: naming ``option``, the path and what to give instead.
+    """
+    import json
+
+    from ..errors import ConfigError
+
+    text = str(model)
+    p = Path(model).expanduser()
+    if p.is_dir():
+        if (p / "config.json").exists():
+            return
+        adapter = p / "adapter_config.json"
+        if adapter.exists():
+            try:
+                base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+            except (OSError, ValueError):
+                base = None
+            raise ConfigError(
+                f"{option}: {text} is a LoRA adapter over {base or 'an unknown base model'}, "
+                f"not a full model (a new adapter on it would replace it and drop its "
+                f"training). To train from it, give its base model, --resume the run it came "
+                f"from, or use a run saved with --merge-lora (full weights)")
+        if (p / "model").is_dir() and (p / "trainer_state.pt").exists():
+            raise ConfigError(f"{option}: {text} is a bigbatch checkpoint directory; give its "
+                              f"model folder {p / 'model'} (or --resume {p.parent} to continue "
+                              f"the run)")
+        raise ConfigError(f"{option}: {text} holds no transformers model (no config.json)")
+    if p.exists():
+        raise ConfigError(f"{option}: {text} is a file; give a model folder")
+    looks_local = p.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1 \
+        or (os.sep != "/" and os.sep in text)
+    if looks_local:
+        raise ConfigError(f"{option}: {text} does not exist")
 
 
 def load_pretrained(name: str, allowed_missing: tuple[str, ...] = (), **kwargs: Any) -> nn.Module:
@@ -49,12 +95,14 @@ def load_pretrained(name: str, allowed_missing: tuple[str, ...] = (), **kwargs: 
 
 def pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
     """Pool ``(rows, tokens, dim)`` hidden states by the attention mask: ``mean``, ``cls``
-    or ``last`` (the last non-padding token, whichever side the padding is on)."""
+    (the first non-padding token) or ``last`` (the last non-padding token), whichever side
+    the padding is on, as sentence-transformers pools."""
     if mode == "mean":
         m = mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
-    if mode == "cls":
-        return hidden[:, 0]
+    if mode == "cls":  # position 0 is padding in a left-padded row
+        idx = mask.int().argmax(1)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
     # last: the last non-padding token of each row, whichever side the padding is on
     t = mask.shape[1]
     idx = t - 1 - mask.flip(1).int().argmax(1)

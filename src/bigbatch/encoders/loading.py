@@ -89,9 +89,20 @@ def _is_adapter(path: Path, meta: dict[str, Any]) -> bool:
 
 
 def _adapter_base(path: Path, meta: dict[str, Any]) -> str:
-    """The base model an adapter folder was trained on."""
-    return meta.get("base_model") or json.loads(
+    """The base model an adapter folder was trained on.
+
+    Raises:
+        ConfigError: the base is missing (moved or deleted) or is not a full model.
+    """
+    from .base import check_model_source
+
+    base = meta.get("base_model") or json.loads(
         (path / "adapter_config.json").read_text())["base_model_name_or_path"]
+    try:
+        check_model_source(base, option="base model")
+    except ConfigError as e:
+        raise ConfigError(f"{path}: the adapter's {e}") from e
+    return base
 
 
 def _attach_adapter(enc: Any, path: Path) -> Any:

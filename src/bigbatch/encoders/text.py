@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from .base import EncoderBase, load_pretrained, model_reference, pool
+from .base import EncoderBase, check_model_source, load_pretrained, model_reference, pool
 
 __all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES"]
 
@@ -105,6 +105,7 @@ class TextEncoder(EncoderBase, nn.Module):
         super().__init__()
         from transformers import AutoTokenizer
 
+        check_model_source(model)
         if pooling not in POOLING_MODES:
             raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
         if max_length <= 0:

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from ..data.images import ImageDoc, load_image
 from ..errors import ConfigError, InputError
-from .base import EncoderBase, load_pretrained, model_reference, pool
+from .base import EncoderBase, check_model_source, load_pretrained, model_reference, pool
 
 __all__ = ["VisionLanguageEncoder", "VL_MODEL_TYPES", "QUERY_INSTRUCTION", "DOC_INSTRUCTION",
            "is_vision_language_model", "pixels_per_visual_token"]
@@ -107,6 +107,7 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
         super().__init__()
         from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
+        check_model_source(model)
         self.model_name = self.base_model_name = model_reference(model)
         config = AutoConfig.from_pretrained(self.model_name)
         self.model_type = config.model_type

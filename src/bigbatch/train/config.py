@@ -89,6 +89,8 @@ class TrainConfig:
 
         if not self.model:
             raise ConfigError("--model is required: a path or name of a transformers model")
+        from ..encoders.base import check_model_source
+        check_model_source(self.model)  # before any data loads: an adapter, a missing path
         if not self.train_data:
             raise ConfigError("--train-data is required: a training file (JSONL in the "
                               "contrastors, swift or st layout, or st Parquet) or a BEIR "
@@ -234,6 +236,25 @@ def _check_keys(keys: Any, source: str) -> None:
             raise ConfigError(f"{source}: unknown option {key!r}{hint}")
 
 
+def _key_lines(text: str) -> dict[Any, int]:
+    """The line (1-based) of each top-level key of a YAML mapping, for error messages."""
+    import yaml
+
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:  # pragma: no cover - safe_load already parsed it
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    out: dict[Any, int] = {}
+    for key, _ in node.value:
+        try:
+            out[yaml.safe_load(yaml.serialize(key))] = key.start_mark.line + 1
+        except yaml.YAMLError:  # pragma: no cover
+            continue
+    return out
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults, then the YAML file ``path`` (keys spelled with ``_`` or ``-``), then
     ``overrides`` (the flags given on the command line). Returns a validated config."""
@@ -250,9 +271,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"{p}: not valid YAML: {e}") from e
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a mapping of option: value")
-        loaded = {str(k).replace("-", "_"): v for k, v in loaded.items()}
-        _check_keys(loaded, str(p))
-        values.update({k: _coerce(k, v, str(p)) for k, v in loaded.items()})
+        lines = _key_lines(p.read_text())
+        loaded = {str(k).replace("-", "_"): (v, f"{p}:{lines[k]}" if k in lines else str(p))
+                  for k, v in loaded.items()}
+        for k, (v, where) in loaded.items():
+            _check_keys([k], where)
+        values.update({k: _coerce(k, v, where) for k, (v, where) in loaded.items()})
     for k, v in (overrides or {}).items():
         k = k.replace("-", "_")
         _check_keys([k], "command line")
@@ -263,19 +287,34 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 # what a sentence-transformers model folder says about how it embeds
 _ST_KEYS = ("pooling", "max_length", "query_prefix", "doc_prefix")
+# what a vision-language folder bigbatch saved says about how it embeds
+_VL_KEYS = ("query_instruction", "doc_instruction", "max_num_visual_tokens",
+            "min_num_visual_tokens", "max_length")
 
 
 def _model_defaults(values: dict[str, Any]) -> dict[str, Any]:
     """Options the user did not set, taken from a text model folder's sentence-transformers
-    configuration (pooling, max length, query/document prompts), so a CLS-pooled, prompted
-    model trains as it embeds, and as ``bigbatch mine`` / ``eval`` embed with it."""
+    configuration (pooling, max length, query/document prompts), or from the
+    ``bigbatch_encoder.json`` of a vision-language folder bigbatch saved (instructions, pixel
+    budget, max length), so a model trains as it embeds, and as ``bigbatch mine`` / ``eval``
+    embed with it."""
     model = values.get("model")
-    if not model or all(k in values for k in _ST_KEYS) or not Path(model).is_dir():
+    if not model or not Path(model).is_dir():
         return values
     from ..encoders.loading import st_settings
     from ..encoders.vision import is_vision_language_model
 
     if values.get("encoder") == "vision-language" or is_vision_language_model(model):
+        meta = Path(model) / "bigbatch_encoder.json"
+        if not meta.exists() or all(k in values for k in _VL_KEYS):
+            return values
+        import json
+        try:
+            found = json.loads(meta.read_text())
+        except ValueError as e:
+            raise ConfigError(f"{meta}: not valid JSON: {e}") from e
+        return {**{k: found[k] for k in _VL_KEYS if found.get(k) is not None}, **values}
+    if all(k in values for k in _ST_KEYS):
         return values
     try:
         found = st_settings(model)
