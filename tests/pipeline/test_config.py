@@ -149,3 +149,17 @@ def test_a_fixed_temperature_may_lie_outside_the_learnable_range():
     path, over = flags("--model", "m", "--train-data", "d", "--temperature", "0.005",
                        "--fixed-temperature")
     assert load_config(path, over).temperature == 0.005
+
+
+@pytest.mark.parametrize("model_type,positions,expected", [("bert", 64, 64), ("roberta", 130, 128),
+                                                           ("bert", 512, 256)])
+def test_the_default_max_length_fits_the_model(tmp_path, model_type, positions, expected):
+    """Left out, --max-length is 256 cut to the model's positions (a model with fewer was
+    refused for a value the user never gave); given, it is checked against them."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": model_type, "max_position_embeddings": positions}))
+    assert load_config(None, {"model": str(tmp_path), "train_data": "d"}).max_length == expected
+    assert load_config(None, {"model": str(tmp_path), "train_data": "d",
+                              "max_length": 300}).max_length == 300  # refused at model load

@@ -402,3 +402,15 @@ def test_swift_system_prompts_are_applied_or_the_run_stops(assets, tmp_path, cap
     assert "--query-prefix 'Find the claim. '" in capsys.readouterr().err
     assert not (out / "metrics.jsonl").exists()
     assert main([*args, "--query-prefix", "Find the claim. "]) == 0
+
+
+def test_a_base_model_better_than_every_trained_step_is_noted():
+    from bigbatch.train.loop import base_beats_best
+
+    note = base_beats_best({"ndcg@10": 0.40}, 0.35, 20, "ndcg@10", False)
+    assert note and "0.4000" in note and "step 20" in note
+    assert base_beats_best({"ndcg@10": 0.30}, 0.35, 20, "ndcg@10", False) is None
+    assert base_beats_best({"neg_sim": 0.10}, 0.20, 5, "neg_sim", True)  # lower is better
+    assert base_beats_best({"neg_sim": 0.30}, 0.20, 5, "neg_sim", True) is None
+    assert base_beats_best(None, 0.35, 20, "ndcg@10", False) is None  # no base evaluation
+    assert base_beats_best({"ndcg@10": float("nan")}, 0.35, 20, "ndcg@10", False) is None

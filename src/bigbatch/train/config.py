@@ -321,4 +321,24 @@ def _model_defaults(values: dict[str, Any]) -> dict[str, Any]:
     except ConfigError as e:
         raise ConfigError(f"{e}. To fine-tune the transformer alone, give --pooling, "
                           f"--max-length, --query-prefix and --doc-prefix explicitly") from e
-    return {**{k: found[k] for k in _ST_KEYS if k in found}, **values}
+    out = {**{k: found[k] for k in _ST_KEYS if k in found}, **values}
+    if "max_length" not in out:  # the default, cut to the model's positions when it has fewer
+        positions = _model_positions(Path(model))
+        if positions is not None and positions < TrainConfig.max_length:
+            out["max_length"] = positions
+    return out
+
+
+def _model_positions(model: Path) -> int | None:
+    """How many token positions a text model folder's ``config.json`` gives (RoBERTa-family
+    models lose two to the padding offset), or None when it does not say."""
+    import json
+
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    limit = cfg.get("max_position_embeddings")
+    if not isinstance(limit, int):
+        return None
+    return limit - 2 if "roberta" in str(cfg.get("model_type", "")) else limit

@@ -274,6 +274,20 @@ class _FixedCorpus:
                 "other_positives": other.to(device)}
 
 
+def base_beats_best(base: dict[str, float] | None, best: float | None, best_step: int | None,
+                    metric: str, lower_is_better: bool) -> str | None:
+    """A warning when the model before training scored better on ``metric`` than every
+    evaluated step (``best/`` holds the best trained step; the base model is not copied)."""
+    value = (base or {}).get(metric)
+    if value is None or best is None or math.isnan(value):
+        return None
+    if (value < best) if lower_is_better else (value > best):
+        return (f"the base model scored {metric} {value:.4f} before training, better than "
+                f"every evaluated step (best {best:.4f} at step {best_step}, kept in best/); "
+                f"training made it worse: try a lower --lr or fewer steps")
+    return None
+
+
 def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]:
     """Run training as configured; returns a summary with the base and final metrics (and,
     under ``"encoder"``, the trained encoder). ``_stop_after`` ends the run
@@ -502,6 +516,12 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
                "base": state["base_metrics"], "final": last_metrics, "best": state["best"],
                "best_step": state["best_step"], "output_dir": str(out),
                "final_model": str(out / "final")}
+    note = base_beats_best(state["base_metrics"], state["best"], state["best_step"],
+                           config.best_metric, lower_is_better)
+    if note:
+        summary["base_beats_best"] = True
+        if info.is_main:
+            print(f"bigbatch train: note: {note}", flush=True)
     if info.is_main:
         import json
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
