@@ -163,3 +163,16 @@ def test_the_default_max_length_fits_the_model(tmp_path, model_type, positions, 
     assert load_config(None, {"model": str(tmp_path), "train_data": "d"}).max_length == expected
     assert load_config(None, {"model": str(tmp_path), "train_data": "d",
                               "max_length": 300}).max_length == 300  # refused at model load
+
+
+def test_a_home_relative_path_in_yaml_is_expanded(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: ~/m\ntrain_data: ~/data.jsonl\noutput_dir: ~/runs/x\n")
+    c = load_config(str(cfg), {})
+    assert (c.model, c.train_data, c.output_dir) == \
+        (str(tmp_path / "m"), str(tmp_path / "data.jsonl"), str(tmp_path / "runs" / "x"))

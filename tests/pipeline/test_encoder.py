@@ -294,3 +294,11 @@ def test_cls_pooling_of_left_padded_rows_matches_sentence_transformers(tiny, tmp
     st = SentenceTransformer(str(enc.save(tmp_path / "final")), device="cpu")
     assert st.tokenizer.padding_side == "left"
     assert torch.allclose(torch.tensor(st.encode(TEXTS)), batch, atol=1e-5)
+
+
+def test_a_hub_name_that_cannot_be_loaded_is_a_config_error(monkeypatch, tmp_path):
+    """Offline (as here) a hub name not in the cache was a transformers OSError traceback."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match="no-such-org/no-such-model: transformers could not"):
+        TextEncoder("no-such-org/no-such-model")

@@ -4,8 +4,9 @@ document tower (:class:`EncoderBase`, :class:`FrozenDocTower`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["EncoderBase", "FrozenDocTower", "pool", "load_pretrained", "model_reference",
-           "check_model_source"]
+           "check_model_source", "hub_load_errors"]
 
 
 def model_reference(model: str | os.PathLike) -> str:
@@ -69,6 +70,20 @@ def check_model_source(model: str | os.PathLike, option: str = "--model") -> Non
         raise ConfigError(f"{option}: {text} does not exist")
 
 
+@contextlib.contextmanager
+def hub_load_errors(name: str) -> Iterator[None]:
+    """Turn transformers' OSError for a source it cannot load (a hub name not in the cache
+    while offline or with no network, a folder without the files) into a ConfigError
+    naming the source, instead of a traceback."""
+    from ..errors import ConfigError
+
+    try:
+        yield
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{name}: transformers could not load it: {first}") from e
+
+
 def load_pretrained(name: str, allowed_missing: tuple[str, ...] = (), **kwargs: Any) -> nn.Module:
     """``AutoModel.from_pretrained(name)`` that refuses a checkpoint whose weights did not all
     load: a missing or wrongly shaped weight would otherwise start from random values and
@@ -82,7 +97,8 @@ def load_pretrained(name: str, allowed_missing: tuple[str, ...] = (), **kwargs: 
 
     from ..errors import ConfigError
 
-    model, info = AutoModel.from_pretrained(name, output_loading_info=True, **kwargs)
+    with hub_load_errors(name):
+        model, info = AutoModel.from_pretrained(name, output_loading_info=True, **kwargs)
     bad = [k for k in info.get("missing_keys", ()) if not k.startswith(allowed_missing)]
     bad += [str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys", ())]
     if bad:

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from .base import EncoderBase, check_model_source, load_pretrained, model_reference, pool
+from .base import (EncoderBase, check_model_source, hub_load_errors, load_pretrained,
+                   model_reference, pool)
 
 __all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES"]
 
@@ -116,7 +117,8 @@ class TextEncoder(EncoderBase, nn.Module):
         self.max_length = max_length
         self.query_prefix = query_prefix
         self.doc_prefix = doc_prefix
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_name)
+        with hub_load_errors(self.model_name):
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_name)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         kwargs = {"dtype": dtype} if dtype is not None else {}

@@ -33,7 +33,8 @@ from torch import Tensor, nn
 
 from ..data.images import ImageDoc, load_image
 from ..errors import ConfigError, InputError
-from .base import EncoderBase, check_model_source, load_pretrained, model_reference, pool
+from .base import (EncoderBase, check_model_source, hub_load_errors, load_pretrained,
+                   model_reference, pool)
 
 __all__ = ["VisionLanguageEncoder", "VL_MODEL_TYPES", "QUERY_INSTRUCTION", "DOC_INSTRUCTION",
            "is_vision_language_model", "pixels_per_visual_token"]
@@ -109,7 +110,8 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
 
         check_model_source(model)
         self.model_name = self.base_model_name = model_reference(model)
-        config = AutoConfig.from_pretrained(self.model_name)
+        with hub_load_errors(self.model_name):
+            config = AutoConfig.from_pretrained(self.model_name)
         self.model_type = config.model_type
         self.pixels_per_token = pixels_per_visual_token(self.model_type)
         if max_num_visual_tokens <= 0 or min_num_visual_tokens <= 0:
@@ -128,11 +130,12 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
         self.normalize = normalize
         self.pooling = "last"
         self.freeze_vision = freeze_vision
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_name)
+        with hub_load_errors(self.model_name):
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_name)
+            self.image_processor = AutoImageProcessor.from_pretrained(self.model_name)
         self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.image_processor = AutoImageProcessor.from_pretrained(self.model_name)
         kwargs = {"dtype": dtype} if dtype is not None else {}
         self.model = load_pretrained(self.model_name, **kwargs)
         self.image_token_id = int(config.image_token_id)

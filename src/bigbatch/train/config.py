@@ -281,8 +281,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         k = k.replace("-", "_")
         _check_keys([k], "command line")
         values[k] = v
+    for k in _PATH_KEYS:  # '~' is the home folder, in a YAML file as on a command line
+        if isinstance(values.get(k), str) and values[k].startswith("~"):
+            values[k] = str(Path(values[k]).expanduser())
     values = _model_defaults(values)
     return TrainConfig(**values).validate()
+
+
+_PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume")
 
 
 # what a sentence-transformers model folder says about how it embeds
