@@ -13,7 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .data.formats import FORMATS, SWIFT_DOC_INSTRUCTION, SWIFT_QUERY_INSTRUCTION
+from .data.formats import (FORMATS, READ_ONLY_FORMATS, SWIFT_DOC_INSTRUCTION,
+                           SWIFT_QUERY_INSTRUCTION)
 from .errors import BigBatchError, ConfigError
 
 __all__ = ["main", "build_parser"]
@@ -121,14 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     va = sub.add_parser("validate", help="check training files; report every problem")
     va.add_argument("files", nargs="+", help="JSONL/Parquet/CSV files, datasets folders "
                     "(save_to_disk) or BEIR directories")
-    va.add_argument("--format", choices=FORMATS, default=None, help="default: detected")
+    va.add_argument("--format", choices=FORMATS + READ_ONLY_FORMATS, default=None,
+                    help="default: detected")
     va.add_argument("--split", default="train", help="qrels split of BEIR directories, split "
                     "of a datasets DatasetDict folder")
 
     co = sub.add_parser("convert", help="convert between contrastors, ms-swift, "
-                        "sentence-transformers and BEIR formats")
-    co.add_argument("--from", dest="src_format", choices=FORMATS, default=None)
-    co.add_argument("--to", dest="dst_format", choices=FORMATS, required=True)
+                        "sentence-transformers and BEIR formats; read colpali-engine / "
+                        "ViDoRe Parquet or datasets folders (page images written to files)")
+    co.add_argument("--from", dest="src_format", choices=FORMATS + READ_ONLY_FORMATS,
+                    default=None, help="default: detected")
+    co.add_argument("--to", dest="dst_format", choices=FORMATS, default=None,
+                    help="required, except from colpali (default there: contrastors, page "
+                    "images as chunk_path / neg_chunk_paths)")
     co.add_argument("input")
     co.add_argument("output", help="a .jsonl/.parquet/.csv file, or a directory for beir")
     co.add_argument("--split", default="train", help="qrels split read or written for BEIR; "
@@ -292,8 +298,15 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .data.formats import read_records, write_records
+    from .data.formats import detect_format, read_records, write_records
 
+    src_format = args.src_format
+    if src_format is None and Path(args.input).exists():
+        src_format = detect_format(args.input)
+    if src_format == "colpali":
+        return _convert_colpali(args)
+    if args.dst_format is None:
+        raise ConfigError("convert needs --to (one of " + ", ".join(FORMATS) + ")")
     records, problems = read_records(args.input, args.src_format, args.split)
     if problems:
         for p in problems[:20]:
@@ -318,6 +331,34 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"note: the records' {side} system prompt {prompt!r} is not written "
               f"({args.dst_format} has no field for it); train with --{flag}-instruction "
               f"{prompt!r} (vision-language) or --{flag}-prefix {prompt + ' '!r} (text)")
+    return 0
+
+
+def _convert_colpali(args: argparse.Namespace) -> int:
+    from .data.colpali import convert_colpali
+
+    fmt = args.dst_format or "contrastors"
+    report = convert_colpali(args.input, args.output, fmt, split=args.split,
+                             allow_lossy=args.allow_lossy,
+                             query_instruction=args.query_instruction,
+                             doc_instruction=args.doc_instruction)
+    for p in report["skipped"][:20]:
+        print(p)
+    if len(report["skipped"]) > 20:
+        print(f"... and {len(report['skipped']) - 20} more rows without query text")
+    for p in report["problems"][:20]:
+        print(f"{p} (row dropped: --allow-lossy)")
+    print(f"converted {report['rows']} colpali rows -> {report['written']} records written as "
+          f"{fmt} to {args.output}; skipped {report['skipped_no_query']} without query text"
+          + (f"; dropped {report['dropped_rows']} with bad images (--allow-lossy)"
+             if report["dropped_rows"] else ""))
+    print(f"images: {report['images_written']} written to {report['images_folder']} "
+          f"(original bytes" + (f", {report['images_reencoded']} re-encoded as PNG"
+                                if report["images_reencoded"] else "") +
+          f"), {report['images_reused']} rows reuse an identical image")
+    if report["not_read"]:
+        print(f"not read: column(s) {', '.join(report['not_read'])} (bigbatch records hold the "
+              f"query, the positive page and negative pages)")
     return 0
 
 

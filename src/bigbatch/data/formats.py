@@ -25,6 +25,10 @@ Formats (``--from`` / ``--to`` names):
   positive, negative``, ``question, answer``); a ``label`` or ``score`` column cannot be
   held (reported). Detected for JSONL whose first record has ``anchor``, none of the
   contrastors keys, or ``negative`` / ``negative_N`` beside ``query`` and ``positive``.
+- ``colpali``: colpali-engine / ViDoRe tables (Parquet or a ``datasets`` folder) with a
+  ``query`` column and the page as a Hugging Face ``Image`` column: read only by
+  conversion, which writes the images to files (:mod:`bigbatch.data.colpali`); validate
+  and training say so, with the command.
 - ``beir``: a BEIR directory (``corpus.jsonl``, ``queries.jsonl``, ``qrels/<split>.tsv``).
   Text documents and (query, positive) pairs only. A document's title is read joined to its
   text ("title text", what training and evaluation embed), since no other format has a title
@@ -58,6 +62,8 @@ SWIFT_QUERY_INSTRUCTION = "Retrieve images or text relevant to the user's query.
 SWIFT_DOC_INSTRUCTION = "Represent the user's input."
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 FORMATS = ("contrastors", "swift", "st", "beir")
+# formats read only by `bigbatch convert` (written as one of FORMATS)
+READ_ONLY_FORMATS = ("colpali",)
 
 
 @dataclass(frozen=True)
@@ -119,8 +125,15 @@ def _is_image(p: str) -> bool:
 
 def detect_format(path: str | Path) -> str:
     """Guess the format from a directory (a Hugging Face ``datasets`` folder is st, any other
-    BEIR), a .parquet or .csv file (st) or the first record's keys."""
+    BEIR), a .parquet or .csv file (st) or the first record's keys. Parquet or a ``datasets``
+    folder with colpali-engine's columns (a ``query`` and a page-image column) is
+    ``colpali``, which is only read by conversion (:mod:`bigbatch.data.colpali`)."""
     path = Path(path)
+    if (path.is_dir() and _is_hf_dataset(path)) or path.suffix.lower() == ".parquet":
+        from .colpali import is_colpali
+
+        if is_colpali(path):
+            return "colpali"
     if path.is_dir():
         return "st" if _is_hf_dataset(path) else "beir"
     if path.suffix.lower() in (".parquet", ".csv"):
@@ -524,6 +537,12 @@ def read_records(path: str | Path, fmt: str | None = None, split: str = "train"
         raise DataError("not found", path=str(path))
     fmt = fmt or detect_format(path)
     problems: list[Problem] = []
+    if fmt in ("colpali", "st"):
+        from .colpali import is_colpali, not_converted_problem
+
+        if fmt == "colpali" or is_colpali(path, split):
+            # images held in the rows: training reads image files, so convert first
+            return [], [not_converted_problem(path)]
     if fmt == "contrastors":
         recs = _read_contrastors(path, problems)
     elif fmt == "swift":
