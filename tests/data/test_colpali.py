@@ -66,6 +66,8 @@ def _rows(images, bad: bool = True):
     if bad:
         rows.append({"query": "broken page", "image": {"bytes": b"\x89PNG not really",
                                                        "path": None}})    # 7: bad image
+        rows.append({"query": "cut page", "image": {"bytes": images[2][:len(images[2]) // 2],
+                                                    "path": None}})       # 8: truncated
     return rows
 
 
@@ -88,13 +90,14 @@ def test_parquet_converts_keeping_image_bytes_and_validates(tmp_path, images, ca
     with pytest.raises(DataError) as e:
         convert_colpali(src, out, progress=False)
     assert f"{src}:7, field 'image': not a readable image" in str(e.value)
+    assert f"{src}:8, field 'image': not a readable image" in str(e.value)  # header fine
     assert not out.exists()
 
     assert main(["convert", "--allow-lossy", str(src), str(out)]) == 0  # detected, contrastors
     printed = capsys.readouterr().out
     assert f"{src}:2, field 'query': null query text; row skipped" in printed
     assert f"{src}:4, field 'query': empty query text; row skipped" in printed
-    assert "skipped 2 without query text" in printed and "dropped 1 with bad images" in printed
+    assert "skipped 2 without query text" in printed and "dropped 2 with bad images" in printed
     assert "not read: column(s) image_filename, answer, page" in printed
 
     recs = [json.loads(l) for l in out.read_text().splitlines()]

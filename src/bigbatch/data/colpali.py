@@ -197,7 +197,10 @@ def _image_suffix(data: bytes) -> tuple[str | None, str | None]:
             im.load()
     except Image.DecompressionBombError as e:
         return None, f"image too large to open safely ({e})"
-    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
+    except UnidentifiedImageError:
+        return None, (f"not a readable image: Pillow recognises no image format in its "
+                      f"{len(data)} bytes (starting {data[:8]!r})")
+    except (OSError, SyntaxError, ValueError) as e:
         return None, f"not a readable image: {e}"
     return _FORMAT_SUFFIX.get(fmt or ""), None
 
@@ -349,7 +352,7 @@ def convert_colpali(path: str | Path, out: str | Path, fmt: str = "contrastors",
         shown = "\n  ".join(str(p) for p in problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise DataError(f"{len(problems)} problem(s) in {path} ({len(records)} of {rows} rows "
-                        f"usable):\n  {shown}{more}\nfix them, or pass --allow-lossy to drop "
+                        f"usable, {len(skipped)} without query text skipped):\n  {shown}{more}\nfix them, or pass --allow-lossy to drop "
                         f"those rows (counted in the report)")
     if not records:
         raise DataError(f"no usable rows ({rows} read, {len(skipped)} without query text)",
