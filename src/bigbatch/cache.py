@@ -538,7 +538,7 @@ class GradCache:
         with self._no_sync(fsdp), torch.enable_grad():  # also when called under no_grad()
             if not distributed:
                 self._embed_all(runs)
-                _, total, metrics = self._loss_and_backward(runs, loss_kwargs)
+                total, metrics = self._loss_and_backward(runs, loss_kwargs)
                 self._replay_all(runs, fsdp)
                 return StepResult(total, metrics)
             failure = None
@@ -549,8 +549,7 @@ class GradCache:
             self._agree_after_embedding(runs, failure, self._where)
             failure, where, total, metrics = self._distributed_loss(runs, loss_kwargs, counts)
             if fsdp:  # FSDP towers' replays are collective: agree on the loss's outcome first
-                D.share_failure(failure, D._exchange_ints([int(failure is not None)], group)[:, 0]
-                                .tolist(), group, where)
+                D.exchange_failure(failure, group, where)
             if failure is None:
                 try:
                     self._replay_all(runs, fsdp)
@@ -559,8 +558,7 @@ class GradCache:
         if self.sync_gradients:
             self.last_sync_calls = D.all_reduce_gradients(sync_params, group, failure, where)
         else:  # the flags travel alone (the caller synchronises the gradients itself)
-            D.share_failure(failure, D._exchange_ints([int(failure is not None)], group)[:, 0]
-                            .tolist(), group, where)
+            D.exchange_failure(failure, group, where)
         return StepResult(total, metrics)
 
     def _check_arguments(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -610,15 +608,15 @@ class GradCache:
             run.reps = reps.detach().requires_grad_(run.trainable)
 
     def _loss_and_backward(self, runs: list[_TowerRun], loss_kwargs: dict[str, Any]
-                           ) -> tuple[Tensor, Tensor, dict[str, Any]]:
+                           ) -> tuple[Tensor, dict[str, Any]]:
         """(2) One process: the loss on the cached embeddings and its backward to them.
-        Returns (backpropagated loss, reported loss, metrics)."""
+        Returns (the detached loss, metrics)."""
         reps = {run.name: run.reps for run in runs}
         total, metrics = self.compute_loss(reps, **loss_kwargs)
         self._check_loss(runs, total, local=True)
         if total.requires_grad:
             (self.scaler.scale(total) if self.scaler is not None else total).backward()
-        return total, total.detach(), metrics
+        return total.detach(), metrics
 
     def _distributed_loss(self, runs: list[_TowerRun], loss_kwargs: dict[str, Any],
                           counts: dict[str, list[int]]
@@ -655,7 +653,7 @@ class GradCache:
                 try:
                     total, metrics = self.compute_loss({r.name: r.reps for r in runs},
                                                        **loss_kwargs)
-                    self._check_loss(runs, total, local=True, exchange=False)
+                    self._check_loss(runs, total, local=True)
                 except Exception as e:  # noqa: BLE001 - shared below or in the sync
                     failure = e
                 if self.check_finite:
@@ -872,20 +870,16 @@ class GradCache:
             params.extend(self.loss_fn.parameters())
         return params
 
-    def _check_loss(self, runs: list[_TowerRun], loss: Any, local: bool,
-                    exchange: bool = True) -> None:
+    def _check_loss(self, runs: list[_TowerRun], loss: Any, local: bool) -> None:
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             raise ShapeError(f"loss_fn must return a scalar loss, got "
                              f"{tuple(loss.shape) if isinstance(loss, Tensor) else type(loss)}")
         if not self.check_finite:
             return
         if D.is_distributed(self.process_group):
-            if local and not exchange:  # the caller exchanges it
-                return
-            ok = bool(torch.isfinite(loss.detach()))
-            if local:  # a rank-local loss: agree, so that every rank raises together
-                ok = bool(D._exchange_ints([int(ok)], self.process_group).min())
-            if not ok:
+            # a rank-local loss's finiteness is exchanged by the caller (_distributed_loss),
+            # with its failure flag; a cross-device loss is the same on every rank
+            if not local and not bool(torch.isfinite(loss.detach())):
                 raise NonFiniteError("the loss is NaN or inf on at least one rank; no gradient "
                                      "was written")
             return

@@ -51,7 +51,7 @@ from . import errors
 __all__ = [
     "WorldInfo", "world_info", "is_distributed", "init_distributed", "gather_with_grad",
     "all_gather_rows", "all_reduce_gradients", "Gathered", "unwrap_ddp", "is_fsdp",
-    "raise_together", "share_failure",
+    "raise_together", "share_failure", "exchange_failure",
 ]
 
 
@@ -163,27 +163,48 @@ def raise_together(error: BaseException | None, group: Any = None,
     return table[:, 1:]
 
 
+def _first_failure(error: BaseException | None, failed: Sequence[int], group: Any,
+                   where: str = "") -> tuple[list[int], str, str, str] | None:
+    """None when no rank failed (``failed[r]`` nonzero for those that did, already exchanged,
+    the same on every rank); else, after one ``all_gather_object`` of the failing ranks'
+    exceptions, (failing ranks, the first one's exception class name, message, ``where``)."""
+    import torch.distributed as dist
+
+    ranks = [r for r, f in enumerate(failed) if f]
+    if not ranks:
+        return None
+    mine = None if error is None else (type(error).__name__, str(error), where)
+    every: list[Any] = [None] * len(failed)
+    dist.all_gather_object(every, mine, group=group)
+    name, message, at = every[ranks[0]]
+    return ranks, name, message, at
+
+
+def _peer_error(ranks: list[int], name: str, message: str, fallback: type,
+                text: str = "") -> BaseException:
+    """The error a rank raises for the first failing rank's exception: its class ``name`` when
+    that is a :mod:`bigbatch.errors` one, else ``fallback`` (the name then leads the
+    message), worded "rank R (and rank(s) [...]){text}: {message}" and marked as raised on
+    every rank (the engine re-raises such an error as it is)."""
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.BigBatchError)):
+        cls, message = fallback, f"{name}: {message}"
+    more = f" (and rank(s) {ranks[1:]})" if len(ranks) > 1 else ""
+    shared = cls(f"rank {ranks[0]}{more}{text}: {message}")
+    shared._bigbatch_shared = True  # type: ignore[attr-defined]
+    return shared
+
+
 def _raise_shared(error: BaseException | None, failed: Sequence[int], group: Any = None) -> None:
     """With ``failed[r]`` nonzero for the ranks that failed (already exchanged, the same on
     every rank): every rank raises an error of the first failing rank's class (an
     :class:`InputError` if it was not a bigbatch error), with a message naming that rank,
     identical on every rank; the original error is the failing rank's ``__cause__``."""
-    import torch.distributed as dist
-
-    ranks = [r for r, f in enumerate(failed) if f]
-    if not ranks:
+    found = _first_failure(error, failed, group)
+    if found is None:
         return
-    mine = None if error is None else (type(error).__name__, str(error))
-    every: list[Any] = [None] * len(failed)
-    dist.all_gather_object(every, mine, group=group)
-    name, message = every[ranks[0]]
-    cls = getattr(errors, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, errors.BigBatchError)):
-        cls, message = errors.InputError, f"{name}: {message}"
-    more = f" (and rank(s) {ranks[1:]})" if len(ranks) > 1 else ""
-    shared = cls(f"rank {ranks[0]}{more}: {message}")
-    shared._bigbatch_shared = True  # type: ignore[attr-defined] - the engine re-raises it
-    raise shared from error
+    ranks, name, message, _ = found
+    raise _peer_error(ranks, name, message, errors.InputError) from error
 
 
 def share_failure(error: BaseException | None, failed: Sequence[int], group: Any = None,
@@ -199,12 +220,9 @@ def share_failure(error: BaseException | None, failed: Sequence[int], group: Any
     """
     import torch.distributed as dist
 
-    ranks = [r for r, f in enumerate(failed) if f]
-    if not ranks:
+    found = _first_failure(error, failed, group, where)
+    if found is None:
         return
-    mine = None if error is None else (type(error).__name__, str(error), where)
-    every: list[Any] = [None] * len(failed)
-    dist.all_gather_object(every, mine, group=group)
     if error is not None:
         error._bigbatch_shared = True  # type: ignore[attr-defined] - the engine re-raises it
         if hasattr(error, "add_note"):
@@ -212,15 +230,17 @@ def share_failure(error: BaseException | None, failed: Sequence[int], group: Any
                            f"{' ' + where if where else ''}; the other ranks raised an error "
                            f"naming this rank")
         raise error
-    name, message, at = every[ranks[0]]
-    cls = getattr(errors, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, errors.BigBatchError)):
-        cls, message = errors.RankFailedError, f"{name}: {message}"
-    more = f" (and rank(s) {ranks[1:]})" if len(ranks) > 1 else ""
-    shared = cls(f"rank {ranks[0]}{more} failed{' ' + at if at else ''}: {message} (this rank "
-                 f"stopped the step as well; zero the gradients before another step)")
-    shared._bigbatch_shared = True  # type: ignore[attr-defined]
-    raise shared
+    ranks, name, message, at = found
+    raise _peer_error(ranks, name, message + " (this rank stopped the step as well; zero the "
+                      "gradients before another step)", errors.RankFailedError,
+                      f" failed{' ' + at if at else ''}")
+
+
+def exchange_failure(error: BaseException | None, group: Any = None, where: str = "") -> None:
+    """:func:`share_failure` with the flags exchanged here, in one small all-gather: for a
+    point of the step where no collective made anyway could carry them."""
+    share_failure(error, _exchange_ints([int(error is not None)], group)[:, 0].tolist(), group,
+                  where)
 
 
 def _one_hot(failed: bool, group: Any) -> list[int]:
@@ -449,8 +469,9 @@ def all_reduce_gradients(params: Iterable[nn.Parameter], group: Any = None,
         failed = [int(f != 0) for f in flat[n + len(plist):].tolist()]
         reduced.append((plist, views, flags))
     if not reduced:  # nothing to reduce: the failure flags travel alone
-        failed = _exchange_ints([int(failure is not None)], group)[:, 0].tolist()
-    share_failure(failure, failed, group, where)
+        exchange_failure(failure, group, where)
+    else:
+        share_failure(failure, failed, group, where)
     for plist, views, flags in reduced:
         present = (flags > 0).tolist()
         for p, v, has in zip(plist, views, present):
