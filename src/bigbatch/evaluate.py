@@ -66,13 +66,13 @@ def _top_ranked(sims: Tensor, doc_ids: Sequence[str], k: int) -> list[list[str]]
     documents), best first, with ties ordered as trec_eval orders them (score descending,
     then document id descending), including ties that straddle the k-th place."""
     vals, idx = sims.topk(k, dim=1)
-    kth = vals[:, -1:]
-    straddle = ((sims >= kth).sum(1) > k).tolist()
+    at_least_kth = sims >= vals[:, -1:]
+    straddle = (at_least_kth.sum(1) > k).tolist()
     vals_l, idx_l = vals.tolist(), idx.tolist()
     out = []
     for row in range(sims.shape[0]):
         if straddle[row]:
-            cols = (sims[row] >= kth[row]).nonzero().squeeze(1)
+            cols = at_least_kth[row].nonzero().squeeze(1)
             pairs = list(zip(sims[row, cols].tolist(), cols.tolist()))
         else:
             pairs = list(zip(vals_l[row], idx_l[row]))

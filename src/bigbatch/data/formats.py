@@ -564,6 +564,11 @@ def _doc_system(r: Record) -> str | None:
     return r.positive.system
 
 
+def _record_systems(r: Record) -> tuple[str | None, ...]:
+    """The system prompts of a record's query and of each of its documents."""
+    return (r.query_system, *(d.system for d in (r.positive, *r.negatives)))
+
+
 def instruction_problems(records: list[Record]) -> list[Problem]:
     """System prompts (swift) that bigbatch cannot apply as they are: bigbatch gives every
     query one instruction and every document one (``--query-instruction`` /
@@ -696,9 +701,7 @@ def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_los
               "system_prompts_dropped": 0, "system_prompts_kept": 0}
     if fmt == "swift":  # the records' own system messages win over the instruction options
         report["system_prompts_kept"] = sum(
-            any(v is not None for v in (r.query_system, *(d.system for d in
-                                                          (r.positive, *r.negatives))))
-            for r in keep)
+            any(v is not None for v in _record_systems(r)) for r in keep)
     if fmt != "swift":  # per-record system prompts have no field in the target
         differ = instruction_problems(keep)
         if differ and not allow_lossy:
@@ -709,8 +712,7 @@ def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_los
                             f"--allow-lossy to write the records without their system prompts "
                             f"(counted in the report)")
         report["system_prompts_dropped"] = sum(
-            any(s for s in (r.query_system, *(d.system for d in (r.positive, *r.negatives))))
-            for r in keep) if differ else 0
+            any(_record_systems(r)) for r in keep) if differ else 0
         report["system_prompts"] = {} if differ else system_prompts(keep)
     if fmt == "beir":
         _write_beir(keep, out, split)

@@ -335,16 +335,21 @@ def _model_defaults(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def model_positions(max_position_embeddings: Any, model_type: Any) -> int | None:
+    """How many token positions a text model's configuration gives (RoBERTa-family models
+    lose two to the padding offset: their positions start after the padding index), or None
+    when it does not say."""
+    if not isinstance(max_position_embeddings, int):
+        return None
+    return max_position_embeddings - (2 if "roberta" in str(model_type or "") else 0)
+
+
 def _model_positions(model: Path) -> int | None:
-    """How many token positions a text model folder's ``config.json`` gives (RoBERTa-family
-    models lose two to the padding offset), or None when it does not say."""
+    """:func:`model_positions` of a model folder's ``config.json`` (None without one)."""
     import json
 
     try:
         cfg = json.loads((model / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    limit = cfg.get("max_position_embeddings")
-    if not isinstance(limit, int):
-        return None
-    return limit - 2 if "roberta" in str(cfg.get("model_type", "")) else limit
+    return model_positions(cfg.get("max_position_embeddings"), cfg.get("model_type"))

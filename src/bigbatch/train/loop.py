@@ -24,7 +24,7 @@ from ..losses import CorpusInfoNCE, InfoNCE
 from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run,
                          latest_checkpoint, load_checkpoint, recover_output_dir, rng_state,
                          rotate_checkpoints, save_checkpoint)
-from .config import TrainConfig
+from .config import TrainConfig, model_positions
 from .logging import RunLogger, plot_metrics
 from .schedule import make_scheduler
 
@@ -137,11 +137,10 @@ def _from_main(obj: Any, info: D.WorldInfo) -> Any:
 def _check_max_length(config: TrainConfig, model_config: Any) -> None:
     """A max length beyond the model's position embeddings fails inside the model at the
     first long batch, possibly hours in; refuse it now."""
-    limit = getattr(model_config, "max_position_embeddings", None)
-    if not isinstance(limit, int):
+    limit = model_positions(getattr(model_config, "max_position_embeddings", None),
+                            getattr(model_config, "model_type", ""))
+    if limit is None:
         return
-    if "roberta" in str(getattr(model_config, "model_type", "")):
-        limit -= 2  # RoBERTa-family positions start after the padding index
     for name in ("max_length", "query_max_length"):
         value = getattr(config, name)
         if value is not None and value > limit:
@@ -274,6 +273,11 @@ class _FixedCorpus:
                 "other_positives": other.to(device)}
 
 
+def _improves(value: float, best: float | None, lower_is_better: bool) -> bool:
+    """Whether ``value`` is better than ``best`` (anything is, when there is none yet)."""
+    return best is None or (value < best if lower_is_better else value > best)
+
+
 def base_beats_best(base: dict[str, float] | None, best: float | None, best_step: int | None,
                     metric: str, lower_is_better: bool) -> str | None:
     """A warning when the model before training scored better on ``metric`` than every
@@ -281,7 +285,7 @@ def base_beats_best(base: dict[str, float] | None, best: float | None, best_step
     value = (base or {}).get(metric)
     if value is None or best is None or math.isnan(value):
         return None
-    if (value < best) if lower_is_better else (value > best):
+    if _improves(value, best, lower_is_better):
         return (f"the base model scored {metric} {value:.4f} before training, better than "
                 f"every evaluated step (best {best:.4f} at step {best_step}, kept in best/); "
                 f"training made it worse: try a lower --lr or fewer steps")
@@ -428,8 +432,7 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
         value = metrics.get(config.best_metric)
         if value is None or math.isnan(value):
             return False
-        best = state["best"]
-        better = best is None or (value < best if lower_is_better else value > best)
+        better = _improves(value, state["best"], lower_is_better)
         if better:
             state["best"], state["best_step"] = value, step
             save(out / "best")
