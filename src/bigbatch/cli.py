@@ -336,16 +336,15 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _convert_colpali(args: argparse.Namespace) -> int:
     from .data.colpali import convert_colpali
+    from .data.types import problem_lines
 
     fmt = args.dst_format or "contrastors"
     report = convert_colpali(args.input, args.output, fmt, split=args.split,
                              allow_lossy=args.allow_lossy,
                              query_instruction=args.query_instruction,
                              doc_instruction=args.doc_instruction)
-    for p in report["skipped"][:20]:
-        print(p)
-    if len(report["skipped"]) > 20:
-        print(f"... and {len(report['skipped']) - 20} more rows without query text")
+    for line in problem_lines(report["skipped"], " rows without query text"):
+        print(line)
     for p in report["problems"][:20]:
         print(f"{p} (row dropped: --allow-lossy)")
     print(f"converted {report['rows']} colpali rows -> {report['written']} records written as "

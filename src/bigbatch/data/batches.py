@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .images import ImageDoc, doc_key
-from .records import TrainRecord
+from .types import ImageDoc, TrainRecord, doc_key
 
 __all__ = ["EpochBatches", "Batch"]
 

@@ -9,15 +9,14 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..errors import DataError
+from .images import check_image
+from .jsonl import iter_jsonl
+from .types import Doc, ImageDoc, Record, TrainRecord, problem_lines
 
-if TYPE_CHECKING:
-    from .images import ImageDoc
-
-__all__ = ["BeirData", "load_beir", "load_qrels", "load_queries", "beir_training_records",
-           "doc_text", "corpus_doc"]
+__all__ = ["BeirData", "load_beir", "load_qrels", "load_queries", "read_beir",
+           "beir_training_records", "doc_text", "corpus_doc"]
 
 
 def doc_text(rec: dict) -> str:
@@ -32,16 +31,12 @@ def corpus_doc(rec: dict, root: Path) -> str | ImageDoc:
     field (a path relative to the corpus folder), else its text (:func:`doc_text`)."""
     image = rec.get("image")
     if isinstance(image, str) and image:
-        from .images import ImageDoc  # noqa: F811
-
         p = Path(image)
         return ImageDoc(str((p if p.is_absolute() else root / p).resolve()))
     return doc_text(rec)
 
 
 def _read_jsonl(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict]]:
-    from .jsonl import iter_jsonl
-
     if not path.exists():
         raise DataError("file not found", path=str(path))
     out = []
@@ -139,27 +134,53 @@ def load_beir(root: str | Path, split: str = "test") -> BeirData:
     return BeirData(root, split, corpus, queries, qrels)
 
 
-def beir_training_records(root: str | Path, split: str = "train") -> list:
-    """Training records from a BEIR split: one (query, positive) pair per relevant qrel."""
-    from .records import TrainRecord
+def read_beir(root: str | Path, split: str = "train") -> list[Record]:
+    """The (query, positive) pairs of a BEIR split as records, in the order of the qrels
+    file: one per relevant qrel (score > 0), with the query and corpus ids, the document's
+    text ("title text") or its page image, and ``root`` as the source. The one way a BEIR
+    directory becomes records: conversion, validation and training read it here.
 
+    Raises:
+        DataError: as :func:`load_beir`.
+    """
     data = load_beir(root, split)
-    source = str(Path(root) / "qrels" / f"{split}.tsv")
-    records = []
-    for qid in sorted(data.qrels, key=lambda q: (len(q), q)):
-        for did, score in sorted(data.qrels[qid].items()):
+    out = []
+    for qid, rels in data.qrels.items():
+        for did, score in rels.items():
             if score > 0:
-                records.append(TrainRecord(query=data.queries[qid], positive=data.corpus[did],
-                                           negatives=[], positive_id=did, source=source,
-                                           line=0, query_id=qid))
+                doc = data.corpus[did]
+                doc = Doc(image=doc.path, id=did) if isinstance(doc, ImageDoc) else \
+                    Doc(text=doc, id=did)
+                out.append(Record(data.queries[qid], doc, [], qid, 0, str(Path(root))))
+    return out
+
+
+def beir_training_records(root: str | Path, split: str = "train") -> list[TrainRecord]:
+    """Training records from a BEIR split (:func:`read_beir`), sorted by query id (shorter
+    first) and document id, with ``qrels/<split>.tsv`` as their source.
+
+    Raises:
+        DataError: as :func:`load_beir`, or listing the page images that cannot be read.
+    """
+    source = str(Path(root) / "qrels" / f"{split}.tsv")
+    records = [TrainRecord(query=r.query,
+                           positive=ImageDoc(r.positive.image) if r.positive.image else
+                           r.positive.text or "",
+                           negatives=[], positive_id=r.positive.id or "", source=source,
+                           line=0, query_id=r.query_id or "")
+               for r in sorted(read_beir(root, split), key=_by_ids)]
     _check_images(records, Path(root) / "corpus.jsonl")
     return records
 
 
-def _check_images(records: list, corpus_path: Path) -> None:
-    """Every page image the records use must open, or the run stops before training."""
-    from .images import ImageDoc, check_image
+def _by_ids(r: Record) -> tuple[int, str, str]:
+    """Training order: query ids by length, then as text (1, 2, 10), then document ids."""
+    qid, did = r.query_id or "", r.positive.id or ""
+    return len(qid), qid, did
 
+
+def _check_images(records: list[TrainRecord], corpus_path: Path) -> None:
+    """Every page image the records use must open, or the run stops before training."""
     seen: set[str] = set()
     problems = []
     for r in records:
@@ -169,7 +190,6 @@ def _check_images(records: list, corpus_path: Path) -> None:
             if why is not None:
                 problems.append(f"document {r.positive_id!r}: {why}")
     if problems:
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise DataError(f"{len(problems)} unreadable page image(s):\n  "
-                        + "\n  ".join(problems[:20]) + more, path=str(corpus_path),
+                        + "\n  ".join(problem_lines(problems)), path=str(corpus_path),
                         field="image")

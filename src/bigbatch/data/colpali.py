@@ -12,7 +12,7 @@ that name their pages by id in a separate corpus (``positive_passages`` /
 ``negative_passages``, as colpali-engine's ``load_train_set_ir``) hold no images and are
 refused with a message.
 
-bigbatch's records refer to page images by path (:class:`~bigbatch.data.images.ImageDoc`),
+bigbatch's records refer to page images by path (:class:`~bigbatch.data.types.ImageDoc`),
 so such data is converted, never trained on directly: :func:`convert_colpali` streams the
 rows (a record batch at a time), checks each image by decoding it with Pillow, writes each
 distinct image once, with its original bytes and format, to ``<output stem>_images/<row>.<ext>``
@@ -27,161 +27,25 @@ import hashlib
 import io
 import os
 import re
-import shlex
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .._progress import progress_bar
 from ..errors import DataError
-from .formats import Doc, Problem, Record, _hf_dataset_files, _is_hf_dataset, write_records
+from .formats import write_records
+from .formats.colpali import (NEGATIVE_COLUMNS, POSITIVE_COLUMNS, QUERY_COLUMN, colpali_columns,
+                              convert_command, is_colpali)
+from .tables import count_table_rows, table_rows
+from .types import Doc, Problem, Record, problem_lines
 
+# is_colpali, colpali_columns, convert_command and the column names are defined in
+# bigbatch.data.formats.colpali and stay importable from here
 __all__ = ["is_colpali", "colpali_columns", "convert_colpali", "convert_command",
            "POSITIVE_COLUMNS", "NEGATIVE_COLUMNS"]
 
-QUERY_COLUMN = "query"
-# positive page: vidore/colpali_train_set's ``image``; ColPaliEngineDataset's ``pos_target``
-POSITIVE_COLUMNS = ("image", "pos_target")
-# negative pages: the older collators' ``neg_image``; ColPaliEngineDataset's ``neg_target``
-NEGATIVE_COLUMNS = ("neg_image", "neg_target")
-# colpali-engine's ids into a separate corpus (manu/colpali-queries)
-CORPUS_ID_COLUMNS = ("positive_passages", "negative_passages")
 _FORMAT_SUFFIX = {"PNG": ".png", "JPEG": ".jpg", "MPO": ".jpg", "WEBP": ".webp", "BMP": ".bmp",
                   "GIF": ".gif", "TIFF": ".tiff"}
 _ROWS_PER_SLICE = 64  # rows turned into Python objects at a time (each may hold a page image)
-
-
-def _files(path: Path, split: str) -> list[Path]:
-    return _hf_dataset_files(path, split) if path.is_dir() else [path]
-
-
-def _schema(f: Path) -> Any:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        if f.suffix == ".parquet":
-            return pq.ParquetFile(f).schema_arrow
-        with pa.memory_map(str(f)) as src:
-            return pa.ipc.open_stream(src).schema
-    except (OSError, pa.ArrowException) as e:
-        raise DataError(f"cannot read as {'Parquet' if f.suffix == '.parquet' else 'Arrow'}: "
-                        f"{e}", path=str(f)) from e
-
-
-def _is_image_type(t: Any) -> bool:
-    """A Hugging Face ``Image`` column (struct ``{bytes, path}``), or a list of them."""
-    import pyarrow as pa
-
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        t = t.value_type
-    if not pa.types.is_struct(t):
-        return False
-    names = {t.field(i).name for i in range(t.num_fields)}
-    return "bytes" in names and names <= {"bytes", "path"}
-
-
-def colpali_columns(path: str | Path, split: str = "train") -> dict[str, list[str]] | None:
-    """The columns of a colpali-style table (``query`` beside a page-image column, or beside
-    colpali-engine's corpus ids), by role: ``query``, ``positive``, ``negatives``,
-    ``corpus_ids``, ``other``; None for a file or folder that is not one (not Parquet or a
-    ``datasets`` folder, or without those columns)."""
-    path = Path(path)
-    if not ((path.is_dir() and _is_hf_dataset(path)) or
-            (path.is_file() and path.suffix.lower() == ".parquet")):
-        return None
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:  # pragma: no cover
-        return None
-    files = _files(path, split) if not path.is_dir() or _has_split(path, split) else []
-    if not files:
-        return None
-    schema = _schema(files[0])
-    names = list(schema.names)
-    if QUERY_COLUMN not in names:
-        return None
-    pos = [c for c in POSITIVE_COLUMNS if c in names and _is_image_type(schema.field(c).type)]
-    ids = [c for c in CORPUS_ID_COLUMNS if c in names]
-    if not pos and not ids:
-        return None
-    negs = [c for c in NEGATIVE_COLUMNS if c in names and _is_image_type(schema.field(c).type)]
-    used = {QUERY_COLUMN, *pos[:1], *negs}
-    return {"query": [QUERY_COLUMN], "positive": pos[:1], "negatives": negs,
-            "corpus_ids": ids, "other": [c for c in names if c not in used and c not in ids]}
-
-
-def _has_split(path: Path, split: str) -> bool:
-    import json
-
-    if not (path / "dataset_dict.json").is_file():
-        return True
-    try:
-        return split in json.loads((path / "dataset_dict.json").read_text("utf-8"))["splits"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return True  # _hf_dataset_files reports it
-
-
-def is_colpali(path: str | Path, split: str = "train") -> bool:
-    """Whether ``path`` is colpali-engine / ViDoRe data (see :func:`colpali_columns`); a file
-    that cannot be read is not (its reader reports it)."""
-    try:
-        return colpali_columns(path, split) is not None
-    except DataError:
-        return False
-
-
-def convert_command(path: str | Path) -> str:
-    """The command that converts colpali data at ``path`` (a suggested output beside it)."""
-    path = Path(path)
-    out = path.parent / ((path.stem if path.is_file() else path.name) + ".jsonl")
-    return f"bigbatch convert --from colpali {shlex.quote(str(path))} {shlex.quote(str(out))}"
-
-
-def not_converted_problem(path: str | Path) -> Problem:
-    """What validate and train say about colpali data: convert it first, and how."""
-    return Problem(str(path), None, None, "colpali-engine / ViDoRe data (page images held in "
-                   "the rows): bigbatch trains on records whose images are files; convert it "
-                   f"first: {convert_command(path)}")
-
-
-def _rows(path: Path, split: str, columns: list[str]) -> Iterator[tuple[int, dict]]:
-    """(1-based row number, row) of ``columns``, streamed a record batch at a time."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    n = 0
-    for f in _files(path, split):
-        try:
-            if f.suffix == ".parquet":
-                batches = pq.ParquetFile(f).iter_batches(batch_size=_ROWS_PER_SLICE,
-                                                         columns=columns)
-            else:
-                batches = (b.select(columns) for b in
-                           pa.ipc.open_stream(pa.memory_map(str(f))))
-            for batch in batches:
-                for start in range(0, batch.num_rows, _ROWS_PER_SLICE):
-                    for row in batch.slice(start, _ROWS_PER_SLICE).to_pylist():
-                        n += 1
-                        yield n, row
-        except (OSError, pa.ArrowException) as e:
-            raise DataError(f"cannot read as {'Parquet' if f.suffix == '.parquet' else 'Arrow'}:"
-                            f" {e}", path=str(f)) from e
-
-
-def _count_rows(path: Path, split: str) -> int | None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    total = 0
-    try:
-        for f in _files(path, split):
-            if f.suffix == ".parquet":
-                total += pq.ParquetFile(f).metadata.num_rows
-            else:  # memory-mapped: counting reads no image bytes
-                total += sum(b.num_rows for b in pa.ipc.open_stream(pa.memory_map(str(f))))
-    except (OSError, pa.ArrowException):
-        return None
-    return total
 
 
 def _image_suffix(data: bytes) -> tuple[str | None, str | None]:
@@ -285,8 +149,6 @@ def convert_colpali(path: str | Path, out: str | Path, fmt: str = "contrastors",
         DataError: not colpali data, corpus-id tables, or problems (listed, with file, row
             and column).
     """
-    from .._progress import progress_bar
-
     path, out = Path(path), Path(out)
     if not path.exists():
         raise DataError("not found", path=str(path))
@@ -311,10 +173,10 @@ def convert_colpali(path: str | Path, out: str | Path, fmt: str = "contrastors",
     problems: list[Problem] = []
     skipped: list[Problem] = []
     rows = 0
-    bar = progress_bar(total=_count_rows(path, split), desc="colpali rows",
+    bar = progress_bar(total=count_table_rows(path, split), desc="colpali rows",
                        unit="row") if progress else None
     try:
-        for n, row in _rows(path, split, [qcol, pcol, *ncols]):
+        for n, row in table_rows(path, split, [qcol, pcol, *ncols], _ROWS_PER_SLICE):
             rows += 1
             if bar is not None:
                 bar.update(1)
@@ -349,11 +211,11 @@ def convert_colpali(path: str | Path, out: str | Path, fmt: str = "contrastors",
         if bar is not None:
             bar.close()
     if problems and not allow_lossy:
-        shown = "\n  ".join(str(p) for p in problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        shown = "\n  ".join(problem_lines(problems))
         raise DataError(f"{len(problems)} problem(s) in {path} ({len(records)} of {rows} rows "
-                        f"usable, {len(skipped)} without query text skipped):\n  {shown}{more}\nfix them, or pass --allow-lossy to drop "
-                        f"those rows (counted in the report)")
+                        f"usable, {len(skipped)} without query text skipped):\n  {shown}\n"
+                        f"fix them, or pass --allow-lossy to drop those rows (counted in the "
+                        f"report)")
     if not records:
         raise DataError(f"no usable rows ({rows} read, {len(skipped)} without query text)",
                         path=str(path))

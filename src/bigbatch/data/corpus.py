@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from ..errors import DataError
+from .beir import corpus_doc
+from .jsonl import iter_jsonl
 
 __all__ = ["iter_corpus", "corpus_texts", "embed_corpus", "default_cache_dir", "encoder_key",
            "corpus_key",
@@ -34,13 +36,9 @@ def iter_corpus(path: str | Path, block: int = 4096) -> Iterator[list[tuple[str,
     """Yield blocks of (doc_id, document) from a corpus.jsonl, reading it lazily; a document
     is "title text", or an :class:`~bigbatch.data.images.ImageDoc` for a record with an
     ``image`` field."""
-    from .beir import corpus_doc
-
     path = Path(path)
     if not path.exists():
         raise DataError("corpus file not found", path=str(path))
-    from .jsonl import iter_jsonl
-
     buf: list[tuple[str, str]] = []
     for n, rec, problem in iter_jsonl(path):
         if problem is not None:
@@ -88,9 +86,6 @@ def corpus_key(path: str | Path) -> list[Any]:
     """What identifies a corpus's documents: the corpus file (path, size, modification time)
     and, when its records name page images, a digest of each image's path, size and
     modification time (an image replaced in place changes the key)."""
-    from .beir import corpus_doc
-    from .jsonl import iter_jsonl
-
     path = Path(path)
     key: list[Any] = [str(path.resolve()), _files_key(path)]
     if path.is_file() and _names_images(path):

@@ -1,43 +1,20 @@
-"""Image documents: a reference to a page image on disk, opened only when its chunk is
-embedded, and a cheap up-front check that every image referenced by the data can be read.
+"""Image documents (:class:`~bigbatch.data.types.ImageDoc`, a reference to a page image on
+disk, opened only when its chunk is embedded): a cheap up-front check that every image
+referenced by the data can be read, and loading one.
 
 PIL is imported lazily (it comes with the ``vision`` extra and with matplotlib).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
+from .types import ImageDoc, doc_key
 
-__all__ = ["ImageDoc", "IMAGE_SUFFIXES", "is_image_path", "check_image", "load_image", "doc_key"]
-
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
-
-
-@dataclass(frozen=True)
-class ImageDoc:
-    """A document that is an image (``path``, absolute), optionally with text shown beside it."""
-
-    path: str
-    text: str = ""
-
-    def __str__(self) -> str:  # what logs and errors show
-        return self.path
-
-
-def is_image_path(value: str) -> bool:
-    return Path(value).suffix.lower() in IMAGE_SUFFIXES
-
-
-def doc_key(doc: Any) -> str:
-    """A stable identity for a document: the path of an image, a hash of a text."""
-    if isinstance(doc, ImageDoc):
-        return doc.path
-    from .records import text_id
-    return text_id(doc)
+# ImageDoc and doc_key are defined in bigbatch.data.types and stay importable from here
+__all__ = ["ImageDoc", "doc_key", "check_image", "load_image"]
 
 
 def check_image(path: str | Path) -> str | None:

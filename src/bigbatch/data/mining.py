@@ -33,7 +33,11 @@ from typing import Any
 
 import torch
 
+from .._progress import progress_bar
 from ..errors import ConfigError
+from .beir import load_qrels, load_queries
+from .corpus import corpus_texts, embed_corpus, iter_corpus
+from .types import ImageDoc, doc_key
 
 __all__ = ["MiningOptions", "MiningReport", "mine_hard_negatives"]
 
@@ -128,9 +132,6 @@ def _too_close(score: float, pos_score: float, options: MiningOptions) -> bool:
 def _positive_copies(corpus_path: Path, positive_ids: set[str]) -> dict[str, str]:
     """``{doc id: content key}`` of every corpus document whose content (a text's hash, an
     image's path) is that of a positive, the positives included (two streaming passes)."""
-    from .corpus import corpus_texts, iter_corpus
-    from .images import doc_key
-
     keys = {doc_key(d) for d in corpus_texts(corpus_path, positive_ids).values()}
     return {d: k for block in iter_corpus(corpus_path) for d, k in
             ((d, doc_key(doc)) for d, doc in block) if k in keys}
@@ -142,8 +143,6 @@ def _record(query: str, qid: str, pid: str, negs: list[str], docs: dict[str, Any
     ``chunk_path``/``neg_chunk_paths`` (relative to the output's folder, as the reader
     resolves them); ``negative_ids`` in the order the reader lists negatives (image paths,
     then texts)."""
-    from .images import ImageDoc
-
     def path(doc: ImageDoc) -> str:
         return os.path.relpath(doc.path, folder)
 
@@ -165,10 +164,6 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
                         cache_dir: str | Path | None = None, progress: bool = True) -> MiningReport:
     """Mine negatives for every (query, positive) of ``qrels/<split>.tsv`` in a BEIR directory
     and write them to ``out`` (JSONL); returns the report (also written as ``out``.report.json)."""
-    from .._progress import progress_bar
-    from .beir import load_qrels, load_queries
-    from .corpus import corpus_texts, embed_corpus
-
     options.validate()
     root = Path(root)
     qrels = {q: {d: s for d, s in rel.items() if s > 0}

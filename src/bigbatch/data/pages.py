@@ -22,7 +22,9 @@ import random
 from pathlib import Path
 from typing import Any
 
+from .._progress import progress_bar
 from ..errors import DataError
+from .jsonl import iter_jsonl
 
 __all__ = ["render_page", "render_beir_pages", "load_font"]
 
@@ -116,9 +118,6 @@ def render_beir_pages(src: str | Path, out: str | Path, *, splits: tuple[str, ..
     random non-relevant pages per training record go to ``train.jsonl``.
     Returns counts (documents, queries, train records).
     """
-    from .._progress import progress_bar
-    from .jsonl import iter_jsonl
-
     src, out = Path(src), Path(out)
     qrels = {s: _read_qrels(src / "qrels" / f"{s}.tsv") for s in splits}
     if not any(qrels.values()):

@@ -5,59 +5,26 @@ file format of :mod:`bigbatch.data.formats` (detected); JSONL files usually use
 the seed pipeline's keys (``query``; the positive as ``positive`` text or ``chunk_path``,
 a path to a text file or a page image; negatives as ``negatives`` texts or
 ``neg_chunk_paths``). Relative paths resolve against the JSONL file's folder. Image paths
-become :class:`~bigbatch.data.images.ImageDoc` documents, opened only when their chunk is
+become :class:`~bigbatch.data.types.ImageDoc` documents, opened only when their chunk is
 embedded; each one is checked to be a readable image here. Every problem in a file is
 collected and reported with file, line and field before training starts.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import DataError
-from .formats import (Doc, Problem, Record, _source_folder, detect_format,
-                      instruction_problems, read_records)
-from .images import IMAGE_SUFFIXES, ImageDoc, check_image
+from ..errors import ConfigError, DataError
+from .beir import beir_training_records
+from .formats import detect_format, instruction_problems, read_records
+from .images import check_image
+from .types import (IMAGE_SUFFIXES, Doc, ImageDoc, Problem, Record, TrainRecord, problem_lines,
+                    source_folder)
 
+# TrainRecord is defined in bigbatch.data.types and stays importable from here
 __all__ = ["TrainRecord", "load_jsonl_records", "load_records", "resolve_doc", "resolve_record",
            "check_instructions"]
-
-MAX_REPORTED = 20
-
-
-@dataclass
-class TrainRecord:
-    """One training example. ``positive_id`` names the positive document (its corpus id when
-    the data gives one, else its content key). ``positive_key`` is its content key (a text
-    hash, or an image's path), the identity negatives are compared by: the same passage
-    twice in a batch is never a negative, however each record named it."""
-
-    query: str
-    positive: str | ImageDoc
-    negatives: list[str | ImageDoc] = field(default_factory=list)
-    positive_id: str = ""
-    source: str = ""
-    line: int = 0
-    query_id: str = ""
-    positive_key: str = field(default="", compare=False)
-    # the system prompts the data gives the query and the documents (ms-swift's system
-    # messages): None where the format has none, "" for a conversation without one
-    query_system: str | None = field(default=None, compare=False)
-    doc_system: str | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        from .images import doc_key
-
-        self.positive_key = doc_key(self.positive)
-        if not self.positive_id:
-            self.positive_id = self.positive_key
-
-
-def text_id(text: str) -> str:
-    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
 
 
 _IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"BM", b"II*\x00", b"MM\x00*")
@@ -127,7 +94,7 @@ def resolve_record(r: Record, problems: list[Problem]
     for field, why in r.lost:
         problems.append(Problem(r.source, r.line, field, f"{why} cannot be represented; "
                                 f"`bigbatch convert --allow-lossy` drops such records"))
-    base = _source_folder(r) or Path(".")
+    base = source_folder(r) or Path(".")
     positive = resolve_doc(r.positive, base, r.source, r.line, problems, "positive")
     negatives: list[str | ImageDoc] = []
     for i, d in enumerate(r.negatives):
@@ -175,9 +142,8 @@ def load_jsonl_records(path: str | Path, split: str = "train") -> list[TrainReco
                                    query_system=r.query_system, doc_system=r.positive.system))
     problems.sort(key=lambda p: p.line or 0)  # file order (stable within a line)
     if problems:
-        shown = "\n  ".join(str(p) for p in problems[:MAX_REPORTED])
-        more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
-        raise DataError(f"{len(problems)} problem(s) in the training data:\n  {shown}{more}")
+        shown = "\n  ".join(problem_lines(problems))
+        raise DataError(f"{len(problems)} problem(s) in the training data:\n  {shown}")
     if not records:
         raise DataError("no training records", path=str(path))
     return records
@@ -191,8 +157,6 @@ def load_records(source: str | Path, split: str = "train", num_hard_negatives: i
     """
     source = Path(source)
     if source.is_dir() and detect_format(source) == "beir":
-        from .beir import beir_training_records
-
         records = beir_training_records(source, split)
         if num_hard_negatives > 0:
             raise DataError(f"BEIR directory {source} has no hard negatives, but "
@@ -223,8 +187,6 @@ def check_instructions(records: list[TrainRecord], encoder: object) -> None:
     Raises:
         ConfigError: naming the option to set and the value the data gives.
     """
-    from ..errors import ConfigError
-
     vision = hasattr(encoder, "query_instruction")
     for side, attr in (("query", "query_system"), ("doc", "doc_system")):
         found = {getattr(r, attr) for r in records} - {None, ""}

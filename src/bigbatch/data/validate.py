@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .formats import Problem, Record, instruction_problems, read_records
+from .formats import instruction_problems, read_records
+from .records import resolve_record
+from .types import Problem, Record, doc_key
 
 __all__ = ["validate_file", "validate_records"]
 
@@ -25,9 +27,6 @@ def validate_records(records: list[Record], problems: list[Problem]) -> list[Pro
     """Add the document and cross-record checks to ``problems`` (from reading); returns all.
     Documents are resolved and checked exactly as the training loader does
     (:func:`bigbatch.data.records.resolve_record`), so a clean file loads for training."""
-    from .images import doc_key
-    from .records import resolve_record
-
     keys: dict[int, tuple] = {}
     for r in records:
         positive, _ = resolve_record(r, problems)

@@ -1,0 +1,176 @@
+"""Reading and writing the training-data formats of the field, through one record type
+(:class:`~bigbatch.data.types.Record`).
+
+Formats (``--from`` / ``--to`` names), one module each, registered in one table of how each
+is detected, read and written:
+
+- ``contrastors`` (:mod:`.contrastors`): the seed pipeline's JSONL, documents as files
+  (``chunk_path``, ``neg_chunk_paths``) or as text (``positive``, ``negatives``).
+- ``swift`` (:mod:`.swift`): ms-swift's embedding JSONL (``messages``,
+  ``positive_messages`` / ``negative_messages``, ``positive_images`` / ``negative_images``).
+  Each conversation's system message is read as its instruction and written back as it was
+  (records of other formats get the instruction options); bigbatch applies one instruction
+  per side, so records whose system prompts differ are reported, and a format without an
+  instruction field (``contrastors``, ``st``, ``beir``) takes the prompts only with
+  ``--allow-lossy`` (a single prompt per side is named in the report instead).
+- ``st`` (:mod:`.st`): sentence-transformers columns (``anchor``, ``positive``,
+  ``negative_1..k``) as JSONL, Parquet, CSV or a ``datasets`` folder. Text only.
+- ``colpali`` (:mod:`.colpali`): colpali-engine / ViDoRe tables with page images in the
+  rows: read only by conversion, which writes the images to files
+  (:mod:`bigbatch.data.colpali`); validate and training say so, with the command.
+- ``beir`` (:mod:`.beir`): a BEIR directory. Text documents and (query, positive) pairs only.
+
+What a target format cannot hold (an image in ``st``, negatives in ``beir``) is never
+dropped silently: conversion stops with a report, or drops it and reports it when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ...errors import DataError
+from ..types import Doc, Problem, Record, source_folder
+from . import beir, colpali, contrastors, st, swift
+from .common import Format, WriteOptions
+from .instructions import instruction_problems, record_systems, system_prompts
+from .swift import SWIFT_DOC_INSTRUCTION, SWIFT_QUERY_INSTRUCTION
+
+__all__ = ["Doc", "Record", "Problem", "Format", "FORMATS", "READ_ONLY_FORMATS", "read_records",
+           "write_records", "detect_format", "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION",
+           "instruction_problems", "system_prompts"]
+
+# every format by name: those written, then those read only by conversion
+_TABLE: dict[str, Format] = {f.name: f for f in (contrastors.FORMAT, swift.FORMAT, st.FORMAT,
+                                                 beir.FORMAT, colpali.FORMAT)}
+FORMATS = tuple(name for name, f in _TABLE.items() if f.write is not None)
+# formats read only by `bigbatch convert` (written as one of FORMATS)
+READ_ONLY_FORMATS = tuple(name for name, f in _TABLE.items() if f.write is None)
+# the order detect_format asks the formats in, most specific first: a colpali table is also
+# an st table, and a JSON object is contrastors once swift and st have declined it
+_DETECTION_ORDER = ("colpali", "beir", "swift", "st", "contrastors")
+
+
+def _first_keys(path: Path) -> set | None:
+    """The keys of a JSONL file's first record; None when its first line is not JSON."""
+    # bad bytes are left to the reader to report
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return set(json.loads(line))
+                except (json.JSONDecodeError, TypeError):
+                    return None
+    return None
+
+
+def detect_format(path: str | Path) -> str:
+    """Guess the format from a directory (a Hugging Face ``datasets`` folder is st, any other
+    BEIR), a .parquet or .csv file (st) or the first record's keys. Parquet or a ``datasets``
+    folder with colpali-engine's columns (a ``query`` and a page-image column) is
+    ``colpali``, which is only read by conversion (:mod:`bigbatch.data.colpali`)."""
+    path = Path(path)
+    formats = [_TABLE[name] for name in _DETECTION_ORDER]
+    for f in formats:
+        if f.detect_path is not None and f.detect_path(path):
+            return f.name
+    keys = _first_keys(path)
+    if keys is not None:
+        for f in formats:
+            if f.detect_keys is not None and f.detect_keys(keys):
+                return f.name
+    raise DataError("cannot tell the format (empty or malformed first line); pass --format",
+                    path=str(path))
+
+
+def _unknown(fmt: str) -> DataError:
+    return DataError(f"unknown format {fmt!r}; choose one of {FORMATS}")
+
+
+def read_records(path: str | Path, fmt: str | None = None, split: str = "train"
+                 ) -> tuple[list[Record], list[Problem]]:
+    """Records of ``path`` in format ``fmt`` (detected when None) and the problems found."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError("not found", path=str(path))
+    fmt = fmt or detect_format(path)
+    if fmt not in _TABLE:
+        raise _unknown(fmt)
+    problems: list[Problem] = []
+    records = _TABLE[fmt].read(path, problems, split)
+    return records, problems
+
+
+def _lossy(records: list[Record], f: Format) -> list[tuple[Record, str]]:
+    """What format ``f`` cannot hold, per record."""
+    out = []
+    for r in records:
+        why = "; ".join(f"{k}: {what} cannot be represented" for k, what in r.lost) \
+            if r.lost else f.cannot_hold(r)
+        if why is not None:
+            out.append((r, why))
+    return out
+
+
+def _rebase(r: Record, out_dir: Path) -> Record:
+    """``r`` with each relative image or text-file path resolved against its source's folder
+    and written relative to ``out_dir`` (where readers of the output resolve it); absolute
+    paths are kept as they are."""
+    base = source_folder(r)
+    if base is None:
+        return r
+
+    def doc(d: Doc) -> Doc:
+        ref = d.image or d.path
+        if ref is None or Path(os.path.expanduser(ref)).is_absolute():  # "~/x.png" is absolute
+            return d
+        new = os.path.relpath(os.path.abspath(base / ref), os.path.abspath(out_dir))
+        return replace(d, image=new) if d.image else replace(d, path=new)
+
+    return replace(r, positive=doc(r.positive), negatives=[doc(d) for d in r.negatives])
+
+
+def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_lossy: bool = False,
+                  query_instruction: str = SWIFT_QUERY_INSTRUCTION,
+                  doc_instruction: str = SWIFT_DOC_INSTRUCTION,
+                  split: str = "train") -> dict[str, Any]:
+    """Write ``records`` as ``fmt``; returns a report. What ``fmt`` cannot hold raises
+    :class:`DataError` listing the records, unless ``allow_lossy`` (then it is dropped and
+    counted in the report). Relative image and text-file paths are rebased from each
+    record's source folder to the output's folder, so they name the same files."""
+    out = Path(out)
+    f = _TABLE.get(fmt)
+    if f is None or f.write is None:
+        raise _unknown(fmt)
+    lossy = _lossy(records, f)
+    if lossy and not allow_lossy:
+        shown = "\n  ".join(f"{r.source}:{r.line}: {why}" for r, why in lossy[:10])
+        raise DataError(f"{len(lossy)} record(s) cannot be written as {fmt} without loss:\n  "
+                        f"{shown}\nconvert to another format, or pass --allow-lossy to drop "
+                        f"them (they are counted in the report)")
+    dropped = {id(r) for r, _ in lossy}
+    out_dir = out if f.writes_folder else out.parent
+    keep = [_rebase(r, out_dir) for r in records if id(r) not in dropped]
+    report = {"format": fmt, "written": len(keep), "dropped": len(lossy),
+              "dropped_reasons": sorted({why for _, why in lossy}), "system_prompts": {},
+              "system_prompts_dropped": 0, "system_prompts_kept": 0}
+    if f.instructions:  # the records' own system messages win over the instruction options
+        report["system_prompts_kept"] = sum(
+            any(v is not None for v in record_systems(r)) for r in keep)
+    else:  # per-record system prompts have no field in the target
+        differ = instruction_problems(keep)
+        if differ and not allow_lossy:
+            shown = "\n  ".join(str(p) for p in differ[:10])
+            raise DataError(f"{len(differ)} record(s) carry system prompts that differ, which "
+                            f"{fmt} cannot hold (it has no instruction field):\n  {shown}\n"
+                            f"convert to swift, split the file by instruction, or pass "
+                            f"--allow-lossy to write the records without their system prompts "
+                            f"(counted in the report)")
+        report["system_prompts_dropped"] = sum(
+            any(record_systems(r)) for r in keep) if differ else 0
+        report["system_prompts"] = {} if differ else system_prompts(keep)
+    f.write(keep, out, WriteOptions(query_instruction, doc_instruction, split))
+    return report

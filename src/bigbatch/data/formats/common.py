@@ -1,0 +1,119 @@
+"""What every file format module shares: the :class:`Format` entry each one registers, the
+options writers take, and the pieces several readers and writers use (JSONL lines with
+their problems, text fields, record ids)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..jsonl import iter_jsonl
+from ..types import Doc, Problem, Record
+
+__all__ = ["Format", "WriteOptions", "ID_KEY", "jsonl_rows", "text_field", "with_ids",
+           "add_ids", "write_jsonl", "text_only"]
+
+# a column or key naming ids (query_id, negative_ids, id)
+ID_KEY = re.compile(r"(^|_)ids?$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """What writers take beside the records: the instructions written as system messages
+    where a record has none (swift), and the qrels split (beir)."""
+
+    query_instruction: str
+    doc_instruction: str
+    split: str
+
+
+def _holds_all(r: Record) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Format:
+    """One file format: how it is recognised, read and written (an entry of the table in
+    :mod:`bigbatch.data.formats`).
+
+    ``detect_path`` recognises it from the path alone (a folder, a table file);
+    ``detect_keys`` from the keys of a JSONL file's first record. ``read(path, problems,
+    split)`` returns the records and adds what it finds wrong to ``problems``. ``write(records,
+    out, options)`` writes records it can hold; None for a format read only by conversion.
+    ``cannot_hold(record)`` says why a record cannot be written without loss (None if it
+    can). ``instructions``: the format holds each record's system prompts (swift).
+    ``writes_folder``: the output is a folder, which relative paths are rebased against."""
+
+    name: str
+    read: Callable[[Path, list[Problem], str], list[Record]]
+    detect_path: Callable[[Path], bool] | None = None
+    detect_keys: Callable[[set], bool] | None = None
+    write: Callable[[list[Record], Path, WriteOptions], None] | None = None
+    cannot_hold: Callable[[Record], str | None] = _holds_all
+    instructions: bool = False
+    writes_folder: bool = False
+
+
+def jsonl_rows(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each good line of a JSONL file; a bad line is a problem."""
+    for n, rec, problem in iter_jsonl(path):
+        if problem is not None:
+            problems.append(Problem(str(path), n, problem.field, str(problem)))
+        else:
+            yield n, rec
+
+
+def text_field(rec: dict, key: str, where: tuple[str, int], problems: list[Problem],
+               required: bool = True) -> str | None:
+    """``rec[key]`` when it is non-empty text; else None, and a problem at ``where`` (file,
+    line) unless the key is absent and not ``required``."""
+    v = rec.get(key)
+    if v is None:
+        if required:
+            problems.append(Problem(where[0], where[1], key, "missing"))
+        return None
+    if not isinstance(v, str) or not v.strip():
+        problems.append(Problem(where[0], where[1], key, "must be non-empty text"))
+        return None
+    return v
+
+
+def with_ids(rec: dict, pos: Doc, negs: list[Doc]) -> tuple[Doc, list[Doc]]:
+    """The documents with the corpus ids a record gives (``positive_id``, ``negative_ids``)."""
+    pid = rec.get("positive_id")
+    nids = rec.get("negative_ids")
+    if pid is not None:
+        pos = replace(pos, id=str(pid))
+    if isinstance(nids, list) and len(nids) == len(negs):
+        negs = [replace(d, id=None if i is None else str(i)) for d, i in zip(negs, nids)]
+    return pos, negs
+
+
+def add_ids(rec: dict[str, Any], r: Record) -> None:
+    """The record's ids as ``query_id``, ``positive_id``, ``negative_ids`` (when known)."""
+    if r.query_id is not None:
+        rec["query_id"] = r.query_id
+    if r.positive.id is not None:
+        rec["positive_id"] = r.positive.id
+    if r.negatives and all(d.id is not None for d in r.negatives):
+        rec["negative_ids"] = [d.id for d in r.negatives]
+
+
+def write_jsonl(out: Path, rows: Iterable[dict[str, Any]]) -> None:
+    """One JSON object a line (UTF-8, not ASCII-escaped), creating the folder."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        for rec in rows:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
+def text_only(fmt: str, r: Record) -> str | None:
+    """Why a text-only format ``fmt`` cannot hold ``r`` (a document that is not text), or None."""
+    kinds = sorted({d.kind for d in (r.positive, *r.negatives) if d.kind != "text"})
+    if kinds:
+        return f"{fmt} holds text documents only (this record has {', '.join(kinds)})"
+    return None
