@@ -29,8 +29,6 @@ is :mod:`bigbatch.crossrank`.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +40,7 @@ from . import chunking, crossrank
 from . import distributed as D
 from .chunking import Chunk
 from .errors import ConfigError, InputError, NonFiniteError, ShapeError
-from .losses import scalar_loss
+from .loss_contract import LossArguments, loss_and_metrics, scalar_loss
 from .rng import RandContext
 
 __all__ = ["GradCache", "StepResult"]
@@ -85,22 +83,6 @@ class _TowerRun:
     contexts: list[RandContext] = field(default_factory=list)
     reps: Tensor | None = None
     kept: Tensor | None = None  # last chunk's embedding with its graph, not replayed
-
-
-def _loss_parameters(loss_fn: Callable) -> tuple[set[str], bool]:
-    """Names the loss accepts as keywords, and whether it takes ``**kwargs``."""
-    target = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn
-    try:
-        sig = inspect.signature(target)
-    except (TypeError, ValueError):
-        return set(), True
-    names, var_kw = set(), False
-    for p in sig.parameters.values():
-        if p.kind is inspect.Parameter.VAR_KEYWORD:
-            var_kw = True
-        elif p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
-            names.add(p.name)
-    return names, var_kw
 
 
 def _is_trainable(tower: Callable) -> bool:
@@ -196,15 +178,8 @@ class GradCache:
                 raise ConfigError(f"tower {name!r} is not callable ({type(tower).__name__})")
         self.towers: dict[str, Callable[..., Tensor]] = dict(towers)
         self.loss_fn = loss_fn
-        self.chunk_sizes = self._chunk_sizes(chunk_size)
-        if collate_fn is None or callable(collate_fn):
-            self.collate_fns = {n: collate_fn for n in self.towers}
-        else:
-            unknown = set(collate_fn) - set(self.towers)
-            if unknown:
-                raise ConfigError(f"collate_fn names unknown towers {sorted(unknown)}; "
-                                  f"towers are {list(self.towers)}")
-            self.collate_fns = {n: collate_fn.get(n) for n in self.towers}
+        self.chunk_sizes = chunking.chunk_sizes(chunk_size, self.towers)
+        self.collate_fns = chunking.collate_fns(collate_fn, self.towers)
         self.device = torch.device(device) if device is not None else None
         if autocast_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
             raise ConfigError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None, "
@@ -221,30 +196,7 @@ class GradCache:
         self._explicit_params = None if params is None else list(params)
         self.last_sync_calls = 0  # collectives the last step used to synchronise gradients
         self._where = ""  # where in the step this rank is, for a failure's message
-        self._loss_names, self._loss_var_kw = _loss_parameters(loss_fn)
-        if not self._loss_var_kw:
-            missing = [n for n in self.towers if n not in self._loss_names]
-            if missing:
-                raise ConfigError(f"loss_fn does not accept the tower name(s) {missing} as "
-                                  f"keyword arguments; it takes {sorted(self._loss_names)}. "
-                                  f"Name the towers after the loss's arguments")
-
-    # ------------------------------------------------------------------ options
-    def _chunk_sizes(self, chunk_size: int | Mapping[str, int]) -> dict[str, int]:
-        if isinstance(chunk_size, Mapping):
-            unknown = set(chunk_size) - set(self.towers)
-            missing = set(self.towers) - set(chunk_size)
-            if unknown or missing:
-                raise ConfigError(f"chunk_size dict must name every tower exactly: towers are "
-                                  f"{list(self.towers)}, chunk_size names {list(chunk_size)}")
-            sizes = dict(chunk_size)
-        else:
-            sizes = {n: chunk_size for n in self.towers}
-        for name, size in sizes.items():
-            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-                raise ConfigError(f"chunk_size for tower {name!r} must be a positive integer, "
-                                  f"got {size!r}; it is the number of rows embedded at once")
-        return sizes
+        self._loss_args = LossArguments(loss_fn, self.towers)
 
     # ------------------------------------------------------------ overridables
     def split_inputs(self, name: str, inputs: Any, chunk_size: int) -> tuple[list[Chunk], list[int]]:
@@ -275,17 +227,7 @@ class GradCache:
 
     def compute_loss(self, reps: dict[str, Tensor], **loss_kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """Call the loss on the full-batch embeddings and return ``(loss, metrics)``."""
-        out = self.loss_fn(**reps, **loss_kwargs)
-        if isinstance(out, Tensor):
-            return out, {}
-        if isinstance(out, Mapping):
-            if "loss" not in out:
-                raise ConfigError("loss_fn returned a dict without a 'loss' key")
-            return out["loss"], {k: v for k, v in out.items() if k != "loss"}
-        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Tensor):
-            return out[0], dict(out[1] or {})
-        raise ConfigError(f"loss_fn must return a tensor, (loss, metrics) or a dict with 'loss'; "
-                          f"got {type(out).__name__}")
+        return loss_and_metrics(self.loss_fn(**reps, **loss_kwargs))
 
     # -------------------------------------------------------------------- step
     def step(self, **inputs: Any) -> StepResult:
@@ -310,7 +252,7 @@ class GradCache:
         ranks = self._rank_step()
         if ranks.distributed:
             return self._step_across_ranks(ranks, inputs)
-        loss_kwargs = self._check_arguments(inputs)
+        loss_kwargs = self._loss_args.of_step(inputs)
         runs = [self._plan(name, inputs[name]) for name in self.towers]
         self._where = ""
         with crossrank.no_sync(self.towers, ranks.fsdp), torch.enable_grad():
@@ -327,11 +269,11 @@ class GradCache:
         params: list[nn.Parameter] = []
         failure: Exception | None = None
         try:
-            loss_kwargs = self._check_arguments(inputs)
+            loss_kwargs = self._loss_args.of_step(inputs)
             runs = [self._plan(name, inputs[name], allow_empty=True) for name in self.towers]
-            params = ranks.params_to_sync()  # a plain-function tower without params= is
-        except Exception as e:  # noqa: BLE001 - refused here, before any gradient is written;
-            failure = e                      # raised on every rank by agree_on_sizes
+            params = ranks.params_to_sync()  # refuses a plain-function tower without params=
+        except Exception as e:  # noqa: BLE001 - raised on every rank by agree_on_sizes
+            failure = e
         counts = ranks.agree_on_sizes({r.name: r.rows for r in runs}, loss_kwargs, failure)
         self._where = ""
         with crossrank.no_sync(self.towers, ranks.fsdp), torch.enable_grad():
@@ -367,10 +309,11 @@ class GradCache:
                         and c == len(run.chunks) - 1)
                 self._where = f"while embedding tower {run.name!r} (chunk {c}, first pass)"
                 ctx = None
-                if run.trainable and not keep:  # before collating: a random collate_fn
+                # the random state before collating, so that a random collate_fn is replayed too
+                if run.trainable and not keep:
                     ctx = RandContext(planned, devices=[self.device] if self.device else [])
-                chunk = chunking.to_device(chunking.materialize(planned), self.device)  # is
-                if ctx is not None:                                         # replayed too
+                chunk = chunking.to_device(chunking.materialize(planned), self.device)
+                if ctx is not None:
                     ctx.include(chunk)  # a device only the collated chunk reveals
                     run.contexts.append(ctx)
                 with torch.set_grad_enabled(keep), self._autocast(chunking.first_device(chunk)):
@@ -433,22 +376,6 @@ class GradCache:
             _surrogate_backward(emb, g)
 
     # ----------------------------------------------------------------- helpers
-    def _check_arguments(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Check that every tower has an input and every other argument is the loss's;
-        return the loss's keyword arguments."""
-        missing = [n for n in self.towers if n not in inputs]
-        if missing:
-            raise InputError(f"step() is missing input(s) for tower(s) {missing}; towers are "
-                             f"{list(self.towers)}")
-        loss_kwargs = {k: v for k, v in inputs.items() if k not in self.towers}
-        if not self._loss_var_kw:
-            extra = [k for k in loss_kwargs if k not in self._loss_names]
-            if extra:
-                raise InputError(f"step() got argument(s) {extra} that are neither towers "
-                                 f"{list(self.towers)} nor arguments of the loss "
-                                 f"{sorted(self._loss_names - set(self.towers))}")
-        return loss_kwargs
-
     def _plan(self, name: str, inputs: Any, allow_empty: bool = False) -> _TowerRun:
         """Chunk one tower's inputs. The row count is what :meth:`split_inputs` says, so an
         override handles layouts whose first dimension is not the batch; length ordering
@@ -459,16 +386,8 @@ class GradCache:
             order = chunking.length_order(inputs)
             if order is not None:
                 inputs = chunking.index_rows(inputs, order, n)
-        chunks, rows = self.split_inputs(name, inputs, self.chunk_sizes[name])
-        chunks, given = list(chunks), list(rows)
-        try:
-            rows = [operator.index(r) for r in given]
-        except TypeError:
-            rows = []
-        if len(rows) != len(given) or len(chunks) != len(rows) or not all(r > 0 for r in rows):
-            raise InputError(f"split_inputs for tower {name!r} must return (chunks, rows) with "
-                             f"one positive integer row count per chunk, got {len(chunks)} "
-                             f"chunks and rows {given}")
+        chunks, rows = chunking.checked_split(name, *self.split_inputs(name, inputs,
+                                                                       self.chunk_sizes[name]))
         if not rows and not allow_empty:  # distributed: the ranks agree on it, all raise
             raise InputError(f"input for tower {name!r} has no rows")
         return _TowerRun(name, _is_trainable(D.unwrap_ddp(self.towers[name])), chunks, rows,

@@ -14,22 +14,26 @@ arguments, e.g. a tokenizer's output), or a list of raw examples with a ``collat
 
 :func:`length_order` and :func:`index_rows` order examples by token count before chunking
 (``GradCache(sort_by_length=True)``); :func:`to_device` and :func:`first_device` move a
-chunk to the engine's device and find where it lives.
+chunk to the engine's device and find where it lives. :func:`chunk_sizes` and
+:func:`collate_fns` read the engine's per-tower options, and :func:`checked_split` checks
+what an overridden ``split_inputs`` returned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .errors import InputError
+from .errors import ConfigError, InputError
 
 __all__ = [
     "Chunk", "RawChunk", "materialize", "rows_of", "chunk_bounds", "split_inputs",
     "token_spans", "trim_columns", "length_order", "index_rows", "to_device", "first_device",
+    "chunk_sizes", "collate_fns", "checked_split",
 ]
 
 Chunk = Any  # a Tensor, a dict of tensors (keyword arguments), or a RawChunk
@@ -48,6 +52,68 @@ class RawChunk:
 
     def __len__(self) -> int:
         return len(self.items)
+
+
+def chunk_sizes(chunk_size: int | Mapping[str, int], towers: Iterable[str]) -> dict[str, int]:
+    """``{tower: rows per chunk}`` from one int for all towers or a dict naming each tower.
+
+    Raises:
+        ConfigError: a dict that does not name every tower exactly, or a size that is not a
+            positive integer.
+    """
+    towers = list(towers)
+    if isinstance(chunk_size, Mapping):
+        unknown = set(chunk_size) - set(towers)
+        missing = set(towers) - set(chunk_size)
+        if unknown or missing:
+            raise ConfigError(f"chunk_size dict must name every tower exactly: towers are "
+                              f"{towers}, chunk_size names {list(chunk_size)}")
+        sizes = dict(chunk_size)
+    else:
+        sizes = {n: chunk_size for n in towers}
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ConfigError(f"chunk_size for tower {name!r} must be a positive integer, "
+                              f"got {size!r}; it is the number of rows embedded at once")
+    return sizes
+
+
+def collate_fns(collate_fn: Callable[[list], Any] | Mapping[str, Callable[[list], Any]] | None,
+                towers: Iterable[str]) -> dict[str, Callable[[list], Any] | None]:
+    """``{tower: collate_fn or None}`` from one callable (or None) for all towers or a dict
+    naming some of them.
+
+    Raises:
+        ConfigError: a dict naming a tower that does not exist.
+    """
+    towers = list(towers)
+    if collate_fn is None or callable(collate_fn):
+        return {n: collate_fn for n in towers}
+    unknown = set(collate_fn) - set(towers)
+    if unknown:
+        raise ConfigError(f"collate_fn names unknown towers {sorted(unknown)}; "
+                          f"towers are {towers}")
+    return {n: collate_fn.get(n) for n in towers}
+
+
+def checked_split(name: str, chunks: Iterable[Chunk],
+                  rows: Iterable[Any]) -> tuple[list[Chunk], list[int]]:
+    """What a tower's ``split_inputs`` returned, as lists, once it is one positive integer
+    row count per chunk (the engine trusts them: the tower must return that many rows).
+
+    Raises:
+        InputError: counts that are not positive integers, or not one per chunk.
+    """
+    chunks, given = list(chunks), list(rows)
+    try:
+        counts = [operator.index(r) for r in given]
+    except TypeError:
+        counts = []
+    if len(counts) != len(given) or len(chunks) != len(counts) or not all(r > 0 for r in counts):
+        raise InputError(f"split_inputs for tower {name!r} must return (chunks, rows) with "
+                         f"one positive integer row count per chunk, got {len(chunks)} "
+                         f"chunks and rows {given}")
+    return chunks, counts
 
 
 def materialize(chunk: Chunk) -> Any:

@@ -64,7 +64,7 @@ from torch import Tensor, nn
 
 from . import distributed as D
 from .errors import ConfigError, InputError, NonFiniteError, ShapeError
-from .losses import scalar_loss
+from .loss_contract import scalar_loss
 
 __all__ = ["RankStep", "LossOutcome", "fsdp_modules", "fsdp_sync_points", "set_fsdp_sync",
            "no_sync"]

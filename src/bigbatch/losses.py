@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .distributed import Gathered
 
 __all__ = ["LogitScale", "InfoNCE", "CorpusInfoNCE", "LossOutput", "PartialLoss",
-           "hard_negative_count", "scalar_loss"]
+           "hard_negative_count"]
 
 # Order of the statistics each block returns (sums and counts, reduced at the end).
 _STATS = ("pos_sum", "correct", "neg_sum", "neg_n", "inb_sum", "inb_n", "hard_sum", "hard_n")
@@ -131,18 +131,6 @@ def hard_negative_count(num_queries: int, num_docs: int) -> int:
             f"a multiple of the query count (B * (1 + k) with the layout [pos_0, neg_0_1..neg_0_k, "
             f"pos_1, ...]); check --num-hard-negatives and that every query has k negatives")
     return num_docs // num_queries - 1
-
-
-def scalar_loss(loss: object) -> Tensor:
-    """``loss`` itself when it is a 0-d tensor, as the loss given to the engine must return.
-
-    Raises:
-        ShapeError: anything else (a tensor of another shape, or not a tensor).
-    """
-    if not isinstance(loss, Tensor) or loss.dim() != 0:
-        raise ShapeError(f"loss_fn must return a scalar loss, got "
-                         f"{tuple(loss.shape) if isinstance(loss, Tensor) else type(loss)}")
-    return loss
 
 
 def _ids_tensor(ids: Tensor | Sequence[Hashable], n: int, device: torch.device, name: str) -> Tensor:
