@@ -2,10 +2,23 @@
 
 World helpers (:func:`world_info`, :func:`init_distributed`), :func:`gather_with_grad` (an
 all-gather whose backward hands each rank its slice of the summed gradient),
-:func:`all_reduce_gradients` (one coalesced all-reduce of every gradient), and
-:func:`raise_together` / :func:`share_failure`, with which a failure on one rank is raised on
-every rank (its flag carried by a collective the step makes anyway) instead of leaving the
-others waiting in the next collective until the timeout.
+:func:`all_reduce_gradients` (one coalesced all-reduce of every gradient), and the sharing of
+failures, with which a failure on one rank is raised on every rank instead of leaving the
+others waiting in the next collective until the timeout (how the engine uses it is told in
+:mod:`bigbatch.crossrank`). Its verbs are one protocol, a failure flag per rank exchanged and
+then, if any rank failed, one error raised on every rank:
+
+- :func:`share_failure`: the flags were carried by a collective made anyway (the engine's
+  gather backward, :meth:`Gathered.all_reduce_sum`, :func:`all_reduce_gradients`); the
+  failing rank raises its own exception, the others one naming it;
+- :func:`exchange_failure`: the same, with the flags (and a few ints) exchanged in a small
+  all-gather of their own, where no collective made anyway can carry them;
+- :func:`raise_together`: as :func:`exchange_failure`, for a check before any collective:
+  every rank, the failing one included, raises the same error naming the failing rank.
+
+An error raised on every rank by one of them is *shared* (:func:`mark_shared`,
+:func:`is_shared`): a caller that catches it re-raises it as it is, instead of sharing it
+again (the other ranks raised it too and wait in no collective).
 
 The scaling argument (why there is no factor of world size anywhere)
 --------------------------------------------------------------------
@@ -51,8 +64,11 @@ from . import errors
 __all__ = [
     "WorldInfo", "world_info", "is_distributed", "init_distributed", "gather_with_grad",
     "all_gather_rows", "all_reduce_gradients", "Gathered", "unwrap_ddp", "is_fsdp",
-    "raise_together", "share_failure", "exchange_failure",
+    "raise_together", "share_failure", "exchange_failure", "mark_shared", "is_shared",
+    "GatherState", "PeerFailed",
 ]
+
+_SHARED = "_bigbatch_shared"  # the attribute that marks a shared error (see mark_shared)
 
 
 @dataclass(frozen=True)
@@ -146,20 +162,43 @@ def _exchange_ints(values: Sequence[int], group: Any = None) -> Tensor:
     return torch.stack(parts).cpu()
 
 
+def mark_shared(error: BaseException) -> BaseException:
+    """Mark ``error`` as shared: raised on every rank already, so that whoever catches it
+    re-raises it as it is (see :func:`is_shared`). Returns ``error``.
+
+    :func:`raise_together`, :func:`share_failure` and :func:`exchange_failure` mark what they
+    raise; mark an error yourself when every rank raises it for a reason all ranks know
+    (e.g. a check on values just exchanged)."""
+    setattr(error, _SHARED, True)
+    return error
+
+
+def is_shared(error: BaseException) -> bool:
+    """True when ``error`` is raised on every rank already (:func:`mark_shared`): then no rank
+    waits in a collective for this one, and the error must not be shared again."""
+    return bool(getattr(error, _SHARED, False))
+
+
 def raise_together(error: BaseException | None, group: Any = None,
                    values: Sequence[int] = ()) -> Tensor:
     """Make every rank raise when any rank failed a local check before a collective.
 
     Each rank passes the error its own check raised (or None). One small all-gather tells
-    every rank who failed; then all raise the same :mod:`bigbatch.errors` exception, instead
-    of the failing rank raising alone while the others wait in the next collective until
-    the timeout. ``values`` (ints, as many on every rank) travel in the same all-gather.
+    every rank who failed; then all raise the same :mod:`bigbatch.errors` exception (an
+    :class:`~bigbatch.errors.InputError` if the first failing rank's was not a bigbatch
+    error), naming that rank, identical on every rank, with the original error as the failing
+    rank's ``__cause__``, instead of the failing rank raising alone while the others wait in
+    the next collective until the timeout. ``values`` (ints, as many on every rank) travel in
+    the same all-gather.
 
     Returns:
         the ``(world, len(values))`` table of every rank's ``values`` when no rank failed.
     """
     table = _exchange_ints([int(error is not None), *values], group)
-    _raise_shared(error, table[:, 0].tolist(), group)
+    found = _first_failure(error, table[:, 0].tolist(), group)
+    if found is not None:
+        ranks, name, message, _ = found
+        raise _peer_error(ranks, name, message, errors.InputError) from error
     return table[:, 1:]
 
 
@@ -184,27 +223,12 @@ def _peer_error(ranks: list[int], name: str, message: str, fallback: type,
                 text: str = "") -> BaseException:
     """The error a rank raises for the first failing rank's exception: its class ``name`` when
     that is a :mod:`bigbatch.errors` one, else ``fallback`` (the name then leads the
-    message), worded "rank R (and rank(s) [...]){text}: {message}" and marked as raised on
-    every rank (the engine re-raises such an error as it is)."""
+    message), worded "rank R (and rank(s) [...]){text}: {message}", and shared."""
     cls = getattr(errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, errors.BigBatchError)):
         cls, message = fallback, f"{name}: {message}"
     more = f" (and rank(s) {ranks[1:]})" if len(ranks) > 1 else ""
-    shared = cls(f"rank {ranks[0]}{more}{text}: {message}")
-    shared._bigbatch_shared = True  # type: ignore[attr-defined]
-    return shared
-
-
-def _raise_shared(error: BaseException | None, failed: Sequence[int], group: Any = None) -> None:
-    """With ``failed[r]`` nonzero for the ranks that failed (already exchanged, the same on
-    every rank): every rank raises an error of the first failing rank's class (an
-    :class:`InputError` if it was not a bigbatch error), with a message naming that rank,
-    identical on every rank; the original error is the failing rank's ``__cause__``."""
-    found = _first_failure(error, failed, group)
-    if found is None:
-        return
-    ranks, name, message, _ = found
-    raise _peer_error(ranks, name, message, errors.InputError) from error
+    return mark_shared(cls(f"rank {ranks[0]}{more}{text}: {message}"))
 
 
 def share_failure(error: BaseException | None, failed: Sequence[int], group: Any = None,
@@ -216,7 +240,7 @@ def share_failure(error: BaseException | None, failed: Sequence[int], group: Any
     raise an error naming the first failing rank, ``where`` it failed and its exception: of
     the same class when it is a :mod:`bigbatch.errors` one, else
     :class:`~bigbatch.errors.RankFailedError`. Costs one ``all_gather_object`` of the
-    messages, only when something failed.
+    messages, only when something failed. What it raises is shared (:func:`mark_shared`).
     """
     import torch.distributed as dist
 
@@ -224,7 +248,7 @@ def share_failure(error: BaseException | None, failed: Sequence[int], group: Any
     if found is None:
         return
     if error is not None:
-        error._bigbatch_shared = True  # type: ignore[attr-defined] - the engine re-raises it
+        mark_shared(error)
         if hasattr(error, "add_note"):
             error.add_note(f"bigbatch: raised on rank {dist.get_rank(group)}"
                            f"{' ' + where if where else ''}; the other ranks raised an error "
@@ -236,11 +260,18 @@ def share_failure(error: BaseException | None, failed: Sequence[int], group: Any
                       f" failed{' ' + at if at else ''}")
 
 
-def exchange_failure(error: BaseException | None, group: Any = None, where: str = "") -> None:
+def exchange_failure(error: BaseException | None, group: Any = None, where: str = "",
+                     values: Sequence[int] = ()) -> Tensor:
     """:func:`share_failure` with the flags exchanged here, in one small all-gather: for a
-    point of the step where no collective made anyway could carry them."""
-    share_failure(error, _exchange_ints([int(error is not None)], group)[:, 0].tolist(), group,
-                  where)
+    point of the step where no collective made anyway could carry them. ``values`` (ints, as
+    many on every rank) travel in the same all-gather.
+
+    Returns:
+        the ``(world, len(values))`` table of every rank's ``values`` when no rank failed.
+    """
+    table = _exchange_ints([int(error is not None), *values], group)
+    share_failure(error, table[:, 0].tolist(), group, where)
+    return table[:, 1:]
 
 
 def _one_hot(failed: bool, group: Any) -> list[int]:
@@ -252,30 +283,14 @@ def _one_hot(failed: bool, group: Any) -> list[int]:
     return flags
 
 
-class _PeerFailed(Exception):
-    """Raised in the gather's backward when another rank flagged a failure there (internal:
-    the engine turns it into :func:`share_failure`)."""
+class PeerFailed(Exception):
+    """Raised in the backward of :func:`gather_with_grad` (given a :class:`GatherState`) when
+    another rank flagged a failure there; ``failed`` holds every rank's flag. The catcher
+    passes them to :func:`share_failure`, which raises the failing rank's error here too."""
 
     def __init__(self, failed: list[int]) -> None:
         super().__init__(f"rank(s) {[r for r, f in enumerate(failed) if f]} failed")
         self.failed = failed
-
-
-class _GatherState:
-    """What a rank that failed before the gather's backward needs to take part in that
-    backward's all-reduce anyway (:func:`_fail_gather_backward`), and whether it ran."""
-
-    def __init__(self) -> None:
-        self.shape: tuple[int, ...] | None = None
-        self.dtype: torch.dtype | None = None
-        self.device: torch.device | None = None
-        self.group: Any = None
-        self.reduced = False
-
-    @property
-    def pending(self) -> bool:
-        """The gather ran with gradient, and its backward's all-reduce did not."""
-        return self.shape is not None and not self.reduced
 
 
 def _reduce_with_flags(t: Tensor, failed: bool, group: Any) -> tuple[Tensor, list[int]]:
@@ -291,25 +306,43 @@ def _reduce_with_flags(t: Tensor, failed: bool, group: Any) -> tuple[Tensor, lis
     return buf[:n].view(t.shape), [int(f != 0) for f in buf[n:].tolist()]
 
 
-def _fail_gather_backward(state: _GatherState) -> list[int]:
-    """On a rank that failed between the gather and its backward: the all-reduce that the
-    other ranks' backward makes, with zeros and this rank's failure flag. Returns the flags."""
-    zeros = torch.zeros(state.shape, dtype=state.dtype, device=state.device)
-    _, failed = _reduce_with_flags(zeros, True, state.group)
-    state.reduced = True
-    return failed
+class GatherState:
+    """Passed to :func:`gather_with_grad`: what its backward's all-reduce needs, so that a
+    rank that failed between the gather and that backward (its loss, the loss's backward)
+    can still take part in it (:meth:`fail_backward`) and the other ranks learn of the
+    failure there (they raise :class:`PeerFailed`) instead of waiting until the timeout."""
+
+    def __init__(self) -> None:
+        self.shape: tuple[int, ...] | None = None
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+        self.group: Any = None
+        self.reduced = False
+
+    @property
+    def pending(self) -> bool:
+        """The gather ran with gradient, and its backward's all-reduce did not."""
+        return self.shape is not None and not self.reduced
+
+    def fail_backward(self) -> list[int]:
+        """On a rank that failed while :attr:`pending`: the all-reduce that the other ranks'
+        backward makes, with zeros and this rank's failure flag. Returns every rank's flag."""
+        zeros = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        _, failed = _reduce_with_flags(zeros, True, self.group)
+        self.reduced = True
+        return failed
 
 
 class _GatherWithGrad(torch.autograd.Function):
     """All-gather rows; backward all-reduces (SUM) the gathered gradient and returns this
     rank's rows. An all-reduce rather than a reduce-scatter: it handles uneven row counts
     and every backend (gloo has no reduce-scatter), and embedding gradients are small.
-    The backward's buffer carries one failure flag per rank (see :func:`_fail_gather_backward`):
-    a rank whose loss failed still takes part, and the others raise :class:`_PeerFailed`."""
+    The backward's buffer carries one failure flag per rank (see :meth:`GatherState.fail_backward`):
+    a rank whose loss failed still takes part, and the others raise :class:`PeerFailed`."""
 
     @staticmethod
     def forward(ctx: Any, t: Tensor, group: Any, sizes: tuple[int, ...],
-                state: _GatherState | None) -> Tensor:
+                state: GatherState | None) -> Tensor:
         import torch.distributed as dist
 
         ctx.group = group
@@ -329,19 +362,22 @@ class _GatherWithGrad(torch.autograd.Function):
         if ctx.state is not None:
             ctx.state.reduced = True
         if any(failed):
-            raise _PeerFailed(failed)
+            raise PeerFailed(failed)
         return total[ctx.lo:ctx.hi].to(grad.device), None, None, None
 
 
 def gather_with_grad(t: Tensor, group: Any = None, sizes: Sequence[int] | None = None,
-                     _state: _GatherState | None = None) -> Tensor:
+                     state: GatherState | None = None) -> Tensor:
     """All-gather ``t`` (rows may differ per rank) with gradient: the backward returns to each
-    rank its slice of the gradient summed over all ranks. Identity when not distributed."""
+    rank its slice of the gradient summed over all ranks. Identity when not distributed.
+
+    ``state``: a :class:`GatherState`, with which a rank that fails before the backward still
+    takes part in it (and the others raise :class:`PeerFailed` there)."""
     if not is_distributed(group):
         return t
     if sizes is None:
         sizes = _exchange_ints([t.shape[0]], group)[:, 0].tolist()
-    return _GatherWithGrad.apply(t, group, tuple(int(s) for s in sizes), _state)
+    return _GatherWithGrad.apply(t, group, tuple(int(s) for s in sizes), state)
 
 
 @dataclass
