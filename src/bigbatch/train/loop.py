@@ -153,10 +153,10 @@ def _build_encoder(config: TrainConfig, records: list, lora_r: int) -> Any:
     from ..data.images import ImageDoc
     from ..encoders import TextEncoder, VisionLanguageEncoder, is_vision_language_model
 
-    kind = config.encoder
-    if kind == "auto":
-        kind = "vision-language" if is_vision_language_model(config.model) else "text"
-    if kind == "text":
+    encoder_type = config.encoder
+    if encoder_type == "auto":
+        encoder_type = "vision-language" if is_vision_language_model(config.model) else "text"
+    if encoder_type == "text":
         image = next((r for r in records if isinstance(r.positive, ImageDoc)
                       or any(isinstance(n, ImageDoc) for n in r.negatives)), None)
         if image is not None:
@@ -193,7 +193,6 @@ class _FixedCorpus:
         from ..data.images import doc_key
 
         items: list[Any] = []
-        keys: list[str] = []  # each item's content key
         self.ids: list[str] = []
         rows: dict[str, list[int]] = {}  # content key -> the corpus rows holding that content
 
@@ -201,7 +200,6 @@ class _FixedCorpus:
             rows.setdefault(key, []).append(len(items))
             self.ids.append(did)
             items.append(doc)
-            keys.append(key)
 
         from ..data.formats import detect_format
 
@@ -225,12 +223,16 @@ class _FixedCorpus:
         for r in records:
             self.positives.setdefault(r.query_id or r.query, set()).update(rows[r.positive_key])
         self._query_key = {r.query: r.query_id or r.query for r in records}
-        from ..data.corpus import load_embeddings, save_embeddings
+        from ..data.corpus import (default_cache_dir, documents_key, embeddings_file,
+                                   load_embeddings, save_embeddings)
 
-        self.cache_file = self._cache_file(encoder, items, keys)
+        # keyed by the encoder (files and settings) and every document (id, content key, and
+        # an image's size and modification time)
+        self.cache_file = embeddings_file(encoder, documents_key(self.ids, items),
+                                          default_cache_dir())
         emb = None
         if not self.cache_file.exists() and info.is_main:
-            emb = encoder.encode(items, kind="doc", batch_size=config.eval_batch_size,
+            emb = encoder.encode(items, side="doc", batch_size=config.eval_batch_size,
                                  device=device, progress="embed training corpus")
             save_embeddings(self.cache_file, self.ids, emb)
         elif self.cache_file.exists() and info.is_main:
@@ -240,28 +242,9 @@ class _FixedCorpus:
         if cached is not None and cached[0] == self.ids:
             emb = cached[1]
         if emb is None:  # another node's cache, or a stale file: embed here
-            emb = encoder.encode(items, kind="doc", batch_size=config.eval_batch_size,
+            emb = encoder.encode(items, side="doc", batch_size=config.eval_batch_size,
                                  device=device)
         self.emb = emb.to(device)
-
-    def _cache_file(self, encoder: Any, items: list[Any], keys: list[str]) -> Path:
-        """Where the frozen tower's corpus embeddings are kept between runs (and resumes):
-        keyed by the encoder (files and settings) and every document (text hash, or image
-        path, size and modification time)."""
-        import hashlib
-        import json
-
-        from ..data.corpus import default_cache_dir, encoder_key
-        from ..data.images import ImageDoc
-
-        h = hashlib.sha256(json.dumps(encoder_key(encoder), sort_keys=True,
-                                      default=str).encode())
-        for did, doc, key in zip(self.ids, items, keys):
-            h.update(did.encode() + b"\0" + key.encode() + b"\0")
-            if isinstance(doc, ImageDoc):
-                st = os.stat(doc.path)
-                h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
-        return default_cache_dir() / "embeddings" / f"corpus-{h.hexdigest()[:24]}.pt"
 
     def targets(self, batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
         pos = [self.rows[key][0] for key in batch.doc_ids]
@@ -395,7 +378,7 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
               f"{chunk}{f' (queries {q_chunk})' if q_chunk != chunk else ''}, "
               f"k={config.num_hard_negatives}, "
               f"{'LoRA r=' + str(lora_r) if lora_r else 'full fine-tuning'} "
-              f"({n_train:,} trainable parameters), {encoder.kind} encoder, device {device}"
+              f"({n_train:,} trainable parameters), {encoder.encoder_type} encoder, device {device}"
               + (f", query-side-tune ({config.query_side_backward} backward, "
                  f"{config.doc_negatives} negatives"
                  + (f": {len(corpus.ids):,} documents" if corpus is not None else "") + ")"
