@@ -328,7 +328,7 @@ def test_atomic_dir_syncs_the_parent_after_the_renames(tmp_path, monkeypatch):
     from bigbatch.train import checkpoint as C
 
     synced = []
-    monkeypatch.setattr(C, "_fsync_dir", lambda d: synced.append(
+    monkeypatch.setattr(C, "fsync_dir", lambda d: synced.append(
         (Path(d), (tmp_path / "x" / "f").exists())))
     (tmp_path / "x").mkdir()
     with C.atomic_dir(tmp_path / "x") as t:
