@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .data.formats import (FORMATS, READ_ONLY_FORMATS, SWIFT_DOC_INSTRUCTION,
                            SWIFT_QUERY_INSTRUCTION)
+from .encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
 from .errors import BigBatchError, ConfigError
 
 __all__ = ["main", "build_parser"]
@@ -55,8 +56,10 @@ _HELP = {
                               "--grad-cache-chunk); text queries are cheaper than page images",
     "encoder": "auto (vision-language for Qwen2-VL/2.5-VL/3-VL, else text), text, "
                "vision-language",
-    "query_instruction": "vision-language: system instruction of queries (default: the seed's)",
-    "doc_instruction": "vision-language: system instruction of documents (default: the seed's)",
+    "query_instruction": f"vision-language: system instruction of queries (default: "
+                         f"Qwen3-VL-Embedding's, {QUERY_INSTRUCTION!r})",
+    "doc_instruction": f"vision-language: system instruction of documents (default: "
+                       f"Qwen3-VL-Embedding's, {DOC_INSTRUCTION!r})",
     "max_num_visual_tokens": "vision-language: visual tokens per image at most (pixel budget = "
                              "this x 784 for Qwen2/2.5-VL, x 1024 for Qwen3-VL)",
     "min_num_visual_tokens": "vision-language: visual tokens per image at least",
@@ -89,8 +92,9 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         else:
             conv = int if typ.startswith("int") else float if typ.startswith("float") else str
             default = f.default if f.default is not dataclasses.MISSING else None
-            p.add_argument(flag, type=conv, default=argparse.SUPPRESS,
-                           help=f"{help_} (default {default})" if help_ else f"(default {default})")
+            if "(default:" not in help_:  # else the help says what the default is itself
+                help_ = f"{help_} (default {default})" if help_ else f"(default {default})"
+            p.add_argument(flag, type=conv, default=argparse.SUPPRESS, help=help_)
 
 
 def _add_encoder_flags(p: argparse.ArgumentParser) -> None:

@@ -194,7 +194,7 @@ def evaluate_beir(encoder: Any, root: str | Path, split: str = "test", batch_siz
                                     device=device, cache_dir=cache_dir, progress=progress)
     _check_qrels_in_corpus(qrels, set(doc_ids), split, root / "corpus.jsonl")
     query_ids = list(queries)
-    query_emb = encoder.encode([queries[q] for q in query_ids], kind="query",
+    query_emb = encoder.encode([queries[q] for q in query_ids], side="query",
                                batch_size=batch_size, device=device,
                                progress="embed queries" if progress else None)
     out = evaluate_retrieval(query_emb, doc_emb, query_ids, doc_ids, qrels)

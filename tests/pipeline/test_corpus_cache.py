@@ -21,7 +21,7 @@ class CountingEncoder:
     def cache_key(self) -> dict:
         return {"model": self.name}
 
-    def encode(self, docs, kind, batch_size, device):
+    def encode(self, docs, side, batch_size, device):
         self.calls += 1
         out = []
         for d in docs:

@@ -47,9 +47,9 @@ def test_pooling_modes(tiny):
 
 def test_prefixes_and_normalisation(tiny):
     enc = TextEncoder(tiny, query_prefix="query: ", doc_prefix="passage: ")
-    q = enc.tokenize(["x"], kind="query")["input_ids"][0].tolist()
+    q = enc.tokenize(["x"], side="query")["input_ids"][0].tolist()
     assert enc.tokenizer.decode(q, skip_special_tokens=True).replace(" ", "") == "query:x"
-    e = enc.encode(TEXTS, kind="doc", batch_size=2)
+    e = enc.encode(TEXTS, side="doc", batch_size=2)
     assert e.shape == (3, 32) and torch.allclose(e.norm(dim=1), torch.ones(3), atol=1e-5)
 
 
@@ -108,8 +108,8 @@ def test_saved_model_loads_in_transformers_peft_and_sentence_transformers(tiny, 
     from transformers import AutoModel, AutoTokenizer
 
     enc = _trained(tiny, lora=mode != "full")
-    ours_q = enc.encode(TEXTS, kind="query")
-    ours_d = enc.encode(TEXTS, kind="doc")
+    ours_q = enc.encode(TEXTS, side="query")
+    ours_d = enc.encode(TEXTS, side="doc")
     out = enc.save(tmp_path / "final", merge_lora=mode == "lora-merged")
 
     tok = AutoTokenizer.from_pretrained(out)
@@ -198,17 +198,17 @@ def test_query_side_tuned_folder_reloads_its_frozen_document_tower(tiny, tmp_pat
 
     enc = TextEncoder(tiny, lora_r=4 if mode != "full" else 0, lora_alpha=8, max_length=64)
     enc.use_base_doc_tower()
-    base_docs = enc.encode(TEXTS, kind="doc")
+    base_docs = enc.encode(TEXTS, side="doc")
     with torch.no_grad():  # "training": move the trainable weights away from the base
         for p in enc.trainable_parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    queries = enc.encode(TEXTS, kind="query")
-    assert torch.allclose(enc.encode(TEXTS, kind="doc"), base_docs, atol=1e-6)
+    queries = enc.encode(TEXTS, side="query")
+    assert torch.allclose(enc.encode(TEXTS, side="doc"), base_docs, atol=1e-6)
     out = enc.save(tmp_path / "final", merge_lora=mode == "lora-merged")
     back = load_encoder(out)
     assert back.doc_tower == "base"
-    assert torch.allclose(back.encode(TEXTS, kind="query"), queries, atol=1e-5)
-    assert torch.allclose(back.encode(TEXTS, kind="doc"), base_docs, atol=1e-5)
+    assert torch.allclose(back.encode(TEXTS, side="query"), queries, atol=1e-5)
+    assert torch.allclose(back.encode(TEXTS, side="doc"), base_docs, atol=1e-5)
     assert not torch.allclose(queries, base_docs, atol=1e-3)  # the tuning is really in there
 
 
@@ -226,14 +226,14 @@ def test_saved_folder_names_its_base_model_by_absolute_path(tiny, tmp_path, monk
     shutil.copytree(tiny, tmp_path / "models" / "bert")
     monkeypatch.chdir(tmp_path)
     enc = _trained("models/bert", lora=True)
-    ours = enc.encode(TEXTS, kind="doc")
+    ours = enc.encode(TEXTS, side="doc")
     out = enc.save(tmp_path / "final")
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     recorded = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert recorded == str(tmp_path / "models" / "bert")
     assert json.loads((out / "bigbatch_encoder.json").read_text())["base_model"] == recorded
-    assert torch.allclose(load_encoder(out).encode(TEXTS, kind="doc"), ours, atol=1e-5)
+    assert torch.allclose(load_encoder(out).encode(TEXTS, side="doc"), ours, atol=1e-5)
     st = SentenceTransformer(str(out), device="cpu")
     assert torch.allclose(torch.tensor(st.encode(TEXTS, prompt_name="document")), ours, atol=1e-5)
 

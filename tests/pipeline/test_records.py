@@ -111,13 +111,13 @@ def _fixed_corpus(tmp_path, data, recs):
     from bigbatch.distributed import WorldInfo
     from bigbatch.encoders import TextEncoder
     from bigbatch.train import TrainConfig
-    from bigbatch.train.loop import _FixedCorpus
+    from bigbatch.train.corpus import FixedCorpus
     from pipeline_helpers import tiny_bert
 
     config = TrainConfig(model="unused", train_data=str(data), output_dir=str(tmp_path / "o"),
                          mode="query-side-tune", doc_negatives="corpus")
     enc = TextEncoder(tiny_bert(tmp_path / "bert"), max_length=16).eval()
-    return _FixedCorpus(config, recs, enc, torch.device("cpu"), WorldInfo())
+    return FixedCorpus(config, recs, enc, torch.device("cpu"), WorldInfo())
 
 
 def test_query_side_corpus_holds_each_passage_once(tmp_path, monkeypatch):

@@ -25,6 +25,12 @@ def assets(tmp_path_factory):
     return tiny_bert(root / "tiny", dropout=0.1), scifact_slice(root / "sf")
 
 
+def stop_after(n):
+    """An ``on_step_end`` callback that ends the run right after step ``n`` (its checkpoint
+    written, if one was due), as a kill would."""
+    return lambda step, state: step >= n
+
+
 def config(assets, out, **kw):
     tiny, data = assets
     base = dict(model=str(tiny), train_data=str(data), output_dir=str(out), batch_size=8,
@@ -73,7 +79,7 @@ def test_resume_equals_a_run_that_never_stopped(assets, tmp_path, variant):
     # killed one step after its last checkpoint: that step was logged, but the run resumes
     # from the checkpoint (and must not log it twice)
     saved = kw.get("save_steps", 3)
-    stopped = train(config(assets, tmp_path / "b", **kw), _stop_after=saved + 1)
+    stopped = train(config(assets, tmp_path / "b", **kw), on_step_end=stop_after(saved + 1))
     assert stopped["stopped"] and latest_checkpoint(tmp_path / "b").name == f"checkpoint-{saved:06d}"
     train(config(assets, tmp_path / "b", resume=str(tmp_path / "b"), **kw))
     every = list(range(1, steps + 1))
@@ -186,7 +192,7 @@ def test_resume_refuses_other_data_settings_or_process_count(assets, tmp_path):
     from bigbatch.errors import ConfigError
 
     out = tmp_path / "run"
-    train(config(assets, out), _stop_after=3)
+    train(config(assets, out), on_step_end=stop_after(3))
     with pytest.raises(ConfigError, match="batch_size=8, this run has 16"):
         train(config(assets, out, batch_size=16, resume=str(out)))
     with pytest.raises(ConfigError, match="seed=3, this run has 7"):
@@ -227,7 +233,8 @@ def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(assets, tmp
     capsys.readouterr()
     # branch from checkpoint-4 with another learning rate; killed after step 5, before a save
     branch = dict(save_steps=2, save_total_limit=2, lr=1e-4)
-    train(config(assets, out, resume=str(out / "checkpoint-000004"), **branch), _stop_after=5)
+    train(config(assets, out, resume=str(out / "checkpoint-000004"), **branch),
+          on_step_end=stop_after(5))
     moved = list(out.glob("abandoned-*"))
     assert len(moved) == 1
     # the abandoned run's later checkpoint, and its final/ and summary (it had finished)
@@ -240,7 +247,8 @@ def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(assets, tmp
     assert latest_checkpoint(out).name == "checkpoint-000004"
     # one checkpoint kept, one saved each step: the new run's checkpoint-5 replaces checkpoint-4
     train(config(assets, out, resume=str(out), **{**branch, "save_steps": 1,
-                                                   "save_total_limit": 1}), _stop_after=5)
+                                                   "save_total_limit": 1}),
+          on_step_end=stop_after(5))
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-000005"]
     assert list(out.glob("abandoned-*")) == moved
 
@@ -275,7 +283,7 @@ def test_resume_drops_the_metrics_rows_it_logs_again(tmp_path):
 
 def test_a_kill_between_the_renames_of_a_replacement_is_recovered(assets, tmp_path):
     out = tmp_path / "run"
-    train(config(assets, out), _stop_after=3)
+    train(config(assets, out), on_step_end=stop_after(3))
     # the state a hard kill leaves while checkpoint-3 is being rewritten: the old copy moved
     # aside, the new one complete but not yet renamed into place; and an older write's debris
     os.replace(out / "checkpoint-000003", out / ".checkpoint-000003.old-4242")
@@ -320,7 +328,7 @@ def test_atomic_dir_syncs_the_parent_after_the_renames(tmp_path, monkeypatch):
     from bigbatch.train import checkpoint as C
 
     synced = []
-    monkeypatch.setattr(C, "_fsync_dir", lambda d: synced.append(
+    monkeypatch.setattr(C, "fsync_dir", lambda d: synced.append(
         (Path(d), (tmp_path / "x" / "f").exists())))
     (tmp_path / "x").mkdir()
     with C.atomic_dir(tmp_path / "x") as t:
@@ -376,9 +384,11 @@ def test_resume_compares_the_training_data_by_resolved_path(assets, tmp_path, mo
     tiny, data = assets
     out = tmp_path / "run"
     monkeypatch.chdir(Path(data).parent)
-    train(config(assets, out, train_data=Path(data).name), _stop_after=3)  # relative
+    train(config(assets, out, train_data=Path(data).name),  # relative
+          on_step_end=stop_after(3))
     monkeypatch.chdir(tmp_path)
-    train(config(assets, out, train_data=str(data), resume=str(out)), _stop_after=4)
+    train(config(assets, out, train_data=str(data), resume=str(out)),
+          on_step_end=stop_after(4))
     copy = shutil.copytree(data, tmp_path / "copy")
     with pytest.raises(ConfigError, match="was trained on"):
         train(config(assets, out, train_data=str(copy), resume=str(out)))

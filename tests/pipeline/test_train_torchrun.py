@@ -58,15 +58,15 @@ def _slow_main_rank_cases():
     import time
 
     from bigbatch.distributed import world_info
-    from bigbatch.train.loop import _barrier, _from_main
+    from bigbatch.train.ranks import barrier, from_main
 
     info = world_info()
     if info.rank == 0:
         time.sleep(5)
-    _barrier(info)
+    barrier(info)
     if info.rank == 0:
         time.sleep(5)
-    got = _from_main({"ndcg@10": 0.5} if info.rank == 0 else None, info)
+    got = from_main({"ndcg@10": 0.5} if info.rank == 0 else None, info)
     return {"got": got}
 
 

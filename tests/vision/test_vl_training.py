@@ -32,6 +32,12 @@ def pages(tmp_path_factory):
     return root / "pages"
 
 
+def stop_after(n):
+    """An ``on_step_end`` callback that ends the run right after step ``n`` (its checkpoint
+    written, if one was due), as a kill would."""
+    return lambda step, state: step >= n
+
+
 def _config(model, data, out, **kw):
     base = dict(model=str(model), train_data=str(data), output_dir=str(out), batch_size=4,
                 grad_cache_chunk=2, max_steps=4, warmup_steps=1, save_steps=2, eval_steps=0,
@@ -86,7 +92,7 @@ def test_train_evaluate_save_and_resume_exactly(tiny_vl, pages, tmp_path):
     assert straight["final"]["ndcg@10"] >= 0 and (tmp_path / "a" / "final").exists()
     meta = json.loads((tmp_path / "a" / "final" / "bigbatch_encoder.json").read_text())
     assert meta["encoder"] == "vision-language" and meta["max_num_visual_tokens"] == 16
-    train(_config(model, pages / "train.jsonl", tmp_path / "b", **kw), _stop_after=2)
+    train(_config(model, pages / "train.jsonl", tmp_path / "b", **kw), on_step_end=stop_after(2))
     train(_config(model, pages / "train.jsonl", tmp_path / "b", resume=str(tmp_path / "b"), **kw))
     la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
     assert sorted(la) == sorted(lb) == [1, 2, 3, 4]

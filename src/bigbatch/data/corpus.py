@@ -1,17 +1,22 @@
-"""Streaming a BEIR corpus and embedding it in batches, with embeddings cached on disk.
+"""Streaming a BEIR corpus and embedding it in batches, and the corpus-embedding cache.
 
 The corpus file is read in blocks of ``block`` documents, each embedded and appended, so
-only embeddings (not texts) stay in memory. The cache key combines the model's files
-(names, sizes, modification times), the encoder's settings (pooling, prefixes, length) and
-the corpus file's identity, and for a corpus of page images the identity of every image it
-names, so a changed model, corpus or image is never served stale vectors.
+only embeddings (not texts) stay in memory.
+
+The cache (one for every corpus embedded: evaluation, mining, training's corpus negatives)
+keeps a file per (encoder, corpus), named by :func:`embeddings_file` from the encoder's
+``cache_key()`` (its files' names, sizes and modification times, and its settings: pooling,
+prompts, length, document tower) and what identifies the documents: a corpus file's
+identity and that of every page image it names (:func:`corpus_key`), or for documents in
+memory, each id with its content (:func:`documents_key`). A changed model, corpus or image
+is never served stale vectors. The encoder is duck-typed (``cache_key`` and ``encode``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +25,10 @@ import torch
 from ..errors import DataError
 from .beir import corpus_doc
 from .jsonl import iter_jsonl
+from .types import ImageDoc, doc_key
 
-__all__ = ["iter_corpus", "corpus_texts", "embed_corpus", "default_cache_dir", "encoder_key",
-           "corpus_key",
-           "save_embeddings", "load_embeddings"]
+__all__ = ["iter_corpus", "corpus_texts", "embed_corpus", "default_cache_dir", "corpus_key",
+           "documents_key", "embeddings_file", "save_embeddings", "load_embeddings"]
 
 
 def default_cache_dir() -> Path:
@@ -61,12 +66,11 @@ def corpus_texts(path: str | Path, ids: set[str]) -> dict[str, str]:
     return out
 
 
-def _files_key(path: Path) -> list[Any]:
-    if not path.exists():
-        return [str(path)]
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return [(str(p.relative_to(path)) if path.is_dir() else p.name, p.stat().st_size,
-             p.stat().st_mtime_ns) for p in files]
+def _stamp(path: str | Path) -> list[Any]:
+    """A file's path, size and modification time (None, None when it does not exist)."""
+    p = Path(path)
+    stat = p.stat() if p.exists() else None
+    return [str(path), stat and stat.st_size, stat and stat.st_mtime_ns]
 
 
 def _names_images(path: Path, window: int = 1 << 20) -> bool:
@@ -87,7 +91,7 @@ def corpus_key(path: str | Path) -> list[Any]:
     and, when its records name page images, a digest of each image's path, size and
     modification time (an image replaced in place changes the key)."""
     path = Path(path)
-    key: list[Any] = [str(path.resolve()), _files_key(path)]
+    key: list[Any] = [str(path.resolve()), _stamp(path)]
     if path.is_file() and _names_images(path):
         digest = hashlib.sha256()
         for _, rec, problem in iter_jsonl(path):
@@ -95,41 +99,39 @@ def corpus_key(path: str | Path) -> list[Any]:
                 continue  # reported with file and line when the corpus is read
             doc = corpus_doc(rec, path.parent)
             if not isinstance(doc, str):
-                image = Path(doc.path)
-                stat = image.stat() if image.exists() else None
-                digest.update(json.dumps([doc.path, stat and stat.st_size,
-                                          stat and stat.st_mtime_ns]).encode())
+                digest.update(json.dumps(_stamp(doc.path)).encode())
         key.append(digest.hexdigest())
     return key
 
 
-def encoder_key(encoder: Any) -> dict[str, Any]:
-    """What identifies an encoder's embeddings: its files and settings."""
-    if hasattr(encoder, "cache_key"):
-        return encoder.cache_key()
-    name = Path(str(encoder.model_name))
-    base = getattr(getattr(encoder.model, "peft_config", {}).get("default", None),
-                   "base_model_name_or_path", None)
-    return {"model": str(name.resolve()) if name.exists() else str(name),
-            "files": _files_key(name), "base": _files_key(Path(base)) if base else None,
-            "pooling": encoder.pooling, "normalize": encoder.normalize,
-            "max_length": encoder.max_length, "query_prefix": encoder.query_prefix,
-            "doc_prefix": encoder.doc_prefix}
+def documents_key(ids: Sequence[str], docs: Sequence[Any]) -> str:
+    """What identifies documents held in memory: each id with its content key (a text's hash,
+    an image's path) and, for a page image, its size and modification time."""
+    digest = hashlib.sha256()
+    for did, doc in zip(ids, docs, strict=True):
+        image = _stamp(doc.path) if isinstance(doc, ImageDoc) else None
+        digest.update(json.dumps([did, doc_key(doc), image]).encode())
+    return digest.hexdigest()
+
+
+def embeddings_file(encoder: Any, corpus: Any, cache_dir: str | Path) -> Path:
+    """The cache file of ``encoder``'s embeddings of a corpus, under ``cache_dir``: named by a
+    digest of the encoder's ``cache_key()`` and ``corpus``, what identifies the documents
+    (:func:`corpus_key` or :func:`documents_key`)."""
+    key = hashlib.sha256(json.dumps({"encoder": encoder.cache_key(), "corpus": corpus},
+                                    sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return Path(cache_dir) / "embeddings" / f"corpus-{key}.pt"
 
 
 def embed_corpus(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
                  device: Any = None, cache_dir: str | Path | None = None, block: int = 4096,
                  progress: bool = True) -> tuple[list[str], torch.Tensor]:
-    """(doc ids, float32 embeddings) of every document, from the cache when it is there."""
+    """(doc ids, float32 embeddings) of every document, from the cache in ``cache_dir`` when
+    it is there (None: no cache)."""
     from .._progress import progress_bar
 
     corpus_path = Path(corpus_path)
-    cache = None
-    if cache_dir:
-        key = hashlib.sha256(json.dumps({"encoder": encoder_key(encoder),
-                                         "corpus": corpus_key(corpus_path)},
-                                        sort_keys=True, default=str).encode()).hexdigest()[:24]
-        cache = Path(cache_dir) / "embeddings" / f"{key}.pt"
+    cache = embeddings_file(encoder, corpus_key(corpus_path), cache_dir) if cache_dir else None
     cached = load_embeddings(cache) if cache is not None else None
     if cached is not None:
         return cached
@@ -138,7 +140,7 @@ def embed_corpus(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
     bar = progress_bar(desc="embed corpus", unit="doc") if progress else None
     for blk in iter_corpus(corpus_path, block):
         ids.extend(d for d, _ in blk)
-        parts.append(encoder.encode([t for _, t in blk], kind="doc", batch_size=batch_size,
+        parts.append(encoder.encode([t for _, t in blk], side="doc", batch_size=batch_size,
                                     device=device))
         if bar is not None:
             bar.update(len(blk))

@@ -176,7 +176,7 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
     row = {d: i for i, d in enumerate(doc_ids)}
     qids = list(queries)
     q_emb = torch.nn.functional.normalize(encoder.encode(
-        [queries[q] for q in qids], kind="query", batch_size=options.batch_size, device=device,
+        [queries[q] for q in qids], "query", batch_size=options.batch_size, device=device,
         progress="embed queries" if progress else None).float(), dim=-1)
     index = _index(doc_emb, options.index)
     copies = _positive_copies(root / "corpus.jsonl", {d for rel in qrels.values() for d in rel})

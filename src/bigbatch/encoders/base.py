@@ -1,112 +1,41 @@
-"""What the text and vision-language encoders share: pooling, batched ``encode`` in input
-order, saving the (adapter or merged) weights and tokenizer, and query-side tuning's frozen
-document tower (:class:`EncoderBase`, :class:`FrozenDocTower`)."""
+"""The contract every encoder (tower) fulfils, and what the text and vision-language encoders
+share: pooling, LoRA, batched ``encode`` in input order, the cache key, saving the (adapter
+or merged) weights, and query-side tuning's frozen document tower.
+
+An encoder is an ``nn.Module`` and a GradCache tower: ``encoder(**inputs)`` maps one chunk
+of model inputs to ``(rows, dim)`` embeddings. Everything the pipeline (training,
+evaluation, mining, the corpus-embedding cache) asks of an encoder is declared once, in
+:class:`EncoderBase`; :class:`~bigbatch.encoders.text.TextEncoder` and
+:class:`~bigbatch.encoders.vision.VisionLanguageEncoder` implement it.
+
+``side`` says which tower an input goes through: ``"query"`` or ``"doc"`` (the prefix or
+instruction it gets, and in query-side tuning whether the frozen document tower embeds it).
+"""
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["EncoderBase", "FrozenDocTower", "pool", "load_pretrained", "model_reference",
-           "check_model_source", "hub_load_errors"]
+from ..errors import ConfigError
+from .source import files_key, load_pretrained, model_reference
+
+__all__ = ["EncoderBase", "FrozenDocTower", "pool", "SIDES", "check_side"]
+
+SIDES = ("query", "doc")
 
 
-def model_reference(model: str | os.PathLike) -> str:
-    """How a base model is recorded in saved folders (``base_model``, the adapter's
-    ``base_model_name_or_path``): an existing local folder as its absolute path, so the
-    folder loads from any working directory; a hub name as given."""
-    path = Path(model)
-    return str(path.resolve()) if path.exists() else str(model)
-
-
-def check_model_source(model: str | os.PathLike, option: str = "--model") -> None:
-    """Refuse a model source that is not a full transformers model, before anything loads.
-
-    A local folder must hold ``config.json``. A LoRA adapter folder (a LoRA run's ``final/``
-    or ``checkpoint-N/model``) is not one: transformers would load it with the adapter
-    frozen, and a new adapter of the same name would silently replace it, so training would
-    start from the base model and lose the adapter's training. A path that does not exist is
-    refused too; a hub name (``namespace/name``) is left to transformers.
-
-    Raises:
-        ConfigError: naming ``option``, the path and what to give instead.
-    """
-    import json
-
-    from ..errors import ConfigError
-
-    text = str(model)
-    p = Path(model).expanduser()
-    if p.is_dir():
-        if (p / "config.json").exists():
-            return
-        adapter = p / "adapter_config.json"
-        if adapter.exists():
-            try:
-                base = json.loads(adapter.read_text()).get("base_model_name_or_path")
-            except (OSError, ValueError):
-                base = None
-            raise ConfigError(
-                f"{option}: {text} is a LoRA adapter over {base or 'an unknown base model'}, "
-                f"not a full model (a new adapter on it would replace it and drop its "
-                f"training). To train from it, give its base model, --resume the run it came "
-                f"from, or use a run saved with --merge-lora (full weights)")
-        if (p / "model").is_dir() and (p / "trainer_state.pt").exists():
-            raise ConfigError(f"{option}: {text} is a bigbatch checkpoint directory; give its "
-                              f"model folder {p / 'model'} (or --resume {p.parent} to continue "
-                              f"the run)")
-        raise ConfigError(f"{option}: {text} holds no transformers model (no config.json)")
-    if p.exists():
-        raise ConfigError(f"{option}: {text} is a file; give a model folder")
-    looks_local = p.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1 \
-        or (os.sep != "/" and os.sep in text)
-    if looks_local:
-        raise ConfigError(f"{option}: {text} does not exist")
-
-
-@contextlib.contextmanager
-def hub_load_errors(name: str) -> Iterator[None]:
-    """Turn transformers' OSError for a source it cannot load (a hub name not in the cache
-    while offline or with no network, a folder without the files) into a ConfigError
-    naming the source, instead of a traceback."""
-    from ..errors import ConfigError
-
-    try:
-        yield
-    except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{name}: transformers could not load it: {first}") from e
-
-
-def load_pretrained(name: str, allowed_missing: tuple[str, ...] = (), **kwargs: Any) -> nn.Module:
-    """``AutoModel.from_pretrained(name)`` that refuses a checkpoint whose weights did not all
-    load: a missing or wrongly shaped weight would otherwise start from random values and
-    train silently from there. ``allowed_missing``: key prefixes never used (BERT's pooler).
-    Task-head weights in the checkpoint (``lm_head``) are unused and ignored.
-
-    Raises:
-        ConfigError: naming the first missing or mismatched keys and how many there are.
-    """
-    from transformers import AutoModel
-
-    from ..errors import ConfigError
-
-    with hub_load_errors(name):
-        model, info = AutoModel.from_pretrained(name, output_loading_info=True, **kwargs)
-    bad = [k for k in info.get("missing_keys", ()) if not k.startswith(allowed_missing)]
-    bad += [str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys", ())]
-    if bad:
-        shown = ", ".join(sorted(bad)[:5]) + (", ..." if len(bad) > 5 else "")
-        raise ConfigError(f"{name}: {len(bad)} weight(s) of {type(model).__name__} were not "
-                          f"loaded from the checkpoint ({shown}); they would start from random "
-                          f"values. Is this the model folder you meant?")
-    return model
+def check_side(side: str) -> None:
+    """Raises ConfigError unless ``side`` is ``"query"`` or ``"doc"``."""
+    if side not in SIDES:
+        raise ConfigError(f"side must be 'query' or 'doc', got {side!r}")
 
 
 def pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
@@ -125,25 +54,168 @@ def pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
 
 
-class EncoderBase:
-    """Shared encoder behaviour; subclasses set ``model``, ``tokenizer``, ``model_name``
-    (where the weights came from: the base model, or the adapter folder once one is attached),
-    ``base_model_name`` (the base model the weights or adapter sit on), ``lora_r`` and
-    implement ``_embed(model, **inputs)``.
+class EncoderBase(nn.Module, ABC):
+    """The encoder contract, with the behaviour the text and vision-language encoders share.
 
-    Query-side tuning: documents embedded by the frozen initial weights.
+    A subclass sets, in its ``__init__``: ``model`` (the transformers model, under peft with
+    LoRA), ``tokenizer``, ``model_name`` (where the weights came from: the base model, or the
+    adapter folder once one is attached), ``base_model_name`` (the base model the weights or
+    adapter sit on), ``lora_r`` (0: full fine-tuning), ``max_length`` and ``normalize``; and
+    implements the abstract methods below:
 
-    With LoRA the frozen document tower is the model with its adapter disabled (no copy);
-    with full fine-tuning it is a frozen copy of the weights taken when
-    :meth:`use_base_doc_tower` is called. Saved folders record it, and ``encode(kind="doc")``
-    honours it, so retrieval after training embeds documents as training did.
+    - ``forward(**inputs)`` / ``_embed(model, **inputs)``: one chunk of model inputs to
+      ``(rows, dim)`` embeddings (``_embed`` also runs the frozen document tower);
+    - :meth:`step_inputs`: what GradCache is given for one side of a training step;
+    - :meth:`collate_fns`: the per-chunk collate functions GradCache calls (or None);
+    - :meth:`encode`: embeddings of many items, in input order, without gradient;
+    - :meth:`settings`: the settings that decide the embeddings (saved and in the cache key);
+    - :meth:`_save_extras`: files besides the weights and tokenizer that :meth:`save` writes;
+    - :meth:`_default_lora_targets`: the modules LoRA adapts unless told otherwise.
+
+    Shared here: :meth:`cache_key`, :meth:`save`, LoRA (:meth:`_apply_lora`), gradient
+    checkpointing, and query-side tuning's frozen document tower: documents embedded by the
+    frozen initial weights. With LoRA that tower is the model with its adapter disabled (no
+    copy); with full fine-tuning it is a frozen copy of the weights taken when
+    :meth:`use_base_doc_tower` is called. Saved folders record it, and
+    ``encode(side="doc")`` honours it, so retrieval after training embeds documents as
+    training did.
     """
 
+    encoder_type: ClassVar[str]  # "text" or "vision-language" (what --encoder names)
     doc_tower = "shared"
     _allowed_missing: tuple[str, ...] = ()  # checkpoint keys the encoder never uses
     _doc_base: nn.Module | None = None
     _doc_base_name: str | None = None
 
+    # ------------------------------------------------------------------ contract
+    @abstractmethod
+    def forward(self, **inputs: Tensor) -> Tensor:
+        """Embeddings ``(rows, dim)`` of one chunk of model inputs (the trained tower)."""
+
+    @abstractmethod
+    def _embed(self, model: nn.Module, **inputs: Tensor) -> Tensor:
+        """Embeddings of one chunk of model inputs by ``model`` (this encoder's model, or the
+        frozen document tower's)."""
+
+    @abstractmethod
+    def step_inputs(self, items: Sequence[Any], side: str,
+                    max_length: int | None = None) -> Any:
+        """What GradCache is given for ``side`` of one training step: model inputs (a dict of
+        tensors) or the raw items, which :meth:`collate_fns` turn into inputs per chunk.
+        ``max_length``: truncation for this step's items, where the encoder has one."""
+
+    @abstractmethod
+    def collate_fns(self) -> dict[str, Callable[[Sequence[Any]], dict[str, Tensor]]] | None:
+        """GradCache's per-chunk collate functions by side (``{"query": f, "doc": g}``), or
+        None when :meth:`step_inputs` gives model inputs already."""
+
+    @abstractmethod
+    def encode(self, items: Sequence[Any], side: str = "doc", batch_size: int = 64,
+               device: torch.device | str | None = None, progress: str | None = None,
+               autocast_dtype: torch.dtype | None = None) -> Tensor:
+        """Float32 embeddings on the CPU, in input order, of ``items`` embedded as ``side``
+        in batches of ``batch_size``, in eval mode and without gradient. Documents go through
+        the frozen document tower in query-side-tune mode. ``progress``: a progress bar's
+        label (None: no bar)."""
+
+    @abstractmethod
+    def settings(self) -> dict[str, Any]:
+        """The settings that decide the embeddings besides the weights (pooling, prompts,
+        lengths), as recorded in ``bigbatch_encoder.json`` and in :meth:`cache_key`."""
+
+    @abstractmethod
+    def _save_extras(self, path: Path) -> None:
+        """Write what :meth:`save` adds beside the weights and tokenizer in ``path``."""
+
+    # ------------------------------------------------------------------ identity and saving
+    def cache_key(self) -> dict[str, Any]:
+        """What identifies this encoder's embeddings (the corpus-embedding cache's key): its
+        weights' files (name, size, modification time; an adapter's base model's too), its
+        :meth:`settings` and its document tower."""
+        name = Path(str(self.model_name))
+        base = self.base_model_name if self.base_model_name != self.model_name else None
+        return {"model": str(name.resolve()) if name.exists() else str(name),
+                "files": files_key(name), "base": files_key(base) if base else None,
+                **self.settings(), **self.frozen_doc_meta()}
+
+    def save(self, path: str | os.PathLike, merge_lora: bool = False) -> Path:
+        """Write the weights (a peft adapter, or with ``merge_lora`` or full fine-tuning the
+        full weights), the tokenizer, the encoder's own files and ``bigbatch_encoder.json``
+        (its settings and document tower) to ``path``: a folder that
+        :func:`~bigbatch.encoders.load_encoder` loads with the same embeddings. Returns
+        ``path``."""
+        path = self._save_model(path, merge_lora)
+        self._save_extras(path)
+        meta = {**self.settings(), "lora": self.is_lora and not merge_lora,
+                "base_model": self.base_model_name, **self.frozen_doc_meta()}
+        (path / "bigbatch_encoder.json").write_text(json.dumps(meta, indent=2))
+        return path
+
+    def _save_model(self, path: str | os.PathLike, merge_lora: bool) -> Path:
+        """Write the weights (a peft adapter, or merged/full weights) and the tokenizer."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bar for every checkpoint
+        model = self.model
+        if self.is_lora and merge_lora:
+            import copy
+            model = copy.deepcopy(model).merge_and_unload()
+        model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        return path
+
+    # ------------------------------------------------------------------ training set-up
+    @property
+    def is_lora(self) -> bool:
+        return self.lora_r > 0
+
+    @abstractmethod
+    def _default_lora_targets(self) -> list[str] | str:
+        """LoRA's target modules when none are given (module names, or a regex)."""
+
+    def _lora_modules_to_save(self) -> list[str] | None:
+        """Modules trained fully and saved with the adapter (peft ``modules_to_save``)."""
+        return None
+
+    def _apply_lora(self, r: int, alpha: int, dropout: float,
+                    targets: Sequence[str] | None) -> None:
+        """Put a LoRA adapter (peft) of rank ``r`` on ``targets`` (default:
+        :meth:`_default_lora_targets`); the rest of the model is frozen.
+
+        Raises:
+            ConfigError: ``alpha`` is not positive, or the targets do not fit the model.
+        """
+        from peft import LoraConfig, get_peft_model
+
+        if alpha <= 0:
+            raise ConfigError(f"lora_alpha must be > 0 with LoRA, got {alpha}")
+        targets = list(targets) if targets else self._default_lora_targets()
+        config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                            bias="none", modules_to_save=self._lora_modules_to_save())
+        try:
+            self.model = get_peft_model(self.model, config)
+        except ValueError as e:
+            raise ConfigError(f"LoRA target modules {targets} do not fit this model: {e}") from e
+        self.lora_r = r
+
+    def _enable_gradient_checkpointing(self) -> None:
+        """Recompute activations in backward (non-reentrant, so it composes with the cache's
+        replay); under LoRA the frozen embeddings' outputs must still require grad."""
+        enable = getattr(self.model, "activation_checkpointing_enable", None)
+        if enable is not None:  # transformers 5.x's name; the old one warns and goes in v6
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.is_lora:
+            self.model.enable_input_require_grads()
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ query-side tuning
     def use_base_doc_tower(self, base_model: str | os.PathLike | None = None) -> None:
         """Embed documents with the frozen base weights from now on (call after ``.to()``).
         ``base_model``: load them from this path instead of copying the current weights."""
@@ -178,27 +250,15 @@ class EncoderBase:
         finally:
             self.train(was)
 
-    @property
-    def is_lora(self) -> bool:
-        return self.lora_r > 0
+    def frozen_doc_tower(self) -> "FrozenDocTower":
+        return FrozenDocTower(self)
 
-    def _enable_gradient_checkpointing(self) -> None:
-        """Recompute activations in backward (non-reentrant, so it composes with the cache's
-        replay); under LoRA the frozen embeddings' outputs must still require grad."""
-        enable = getattr(self.model, "activation_checkpointing_enable", None)
-        if enable is not None:  # transformers 5.x's name; the old one warns and goes in v6
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.is_lora:
-            self.model.enable_input_require_grads()
+    def frozen_doc_meta(self) -> dict[str, Any]:
+        return {"doc_tower": self.doc_tower, "doc_base_model": self._doc_base_name}
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
-
+    # ------------------------------------------------------------------ encoding
     @torch.no_grad()
-    def _encode(self, items: Sequence[Any], kind: str, batch_size: int,
+    def _encode(self, items: Sequence[Any], side: str, batch_size: int,
                 device: torch.device | str | None, progress: str | None,
                 autocast_dtype: torch.dtype | None, order: list[int],
                 make_batch: Callable[[list, str], dict[str, Tensor]], unit: str) -> Tensor:
@@ -212,11 +272,11 @@ class EncoderBase:
         bar = progress_bar(total=len(items), desc=progress, unit=unit) if progress else None
         for lo in range(0, len(order), batch_size):
             idx = order[lo:lo + batch_size]
-            batch = {k: v.to(device) for k, v in make_batch([items[i] for i in idx], kind).items()}
+            batch = {k: v.to(device) for k, v in make_batch([items[i] for i in idx], side).items()}
             ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else \
                 torch.autocast(device.type, enabled=False)
             with ctx:
-                emb = self.embed_doc_frozen(**batch) if kind == "doc" and \
+                emb = self.embed_doc_frozen(**batch) if side == "doc" and \
                     self.doc_tower == "base" else self(**batch)
             out.append(emb.float().cpu())
             if bar is not None:
@@ -229,27 +289,6 @@ class EncoderBase:
         result[torch.tensor(order, dtype=torch.long)] = emb
         return result
 
-    def _save_model(self, path: str | os.PathLike, merge_lora: bool) -> Path:
-        """Write the weights (a peft adapter, or merged/full weights) and the tokenizer."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # no "Writing model shards" bar for every checkpoint
-        model = self.model
-        if self.is_lora and merge_lora:
-            import copy
-            model = copy.deepcopy(model).merge_and_unload()
-        model.save_pretrained(path, safe_serialization=True)
-        self.tokenizer.save_pretrained(path)
-        return path
-
-    def frozen_doc_tower(self) -> "FrozenDocTower":
-        return FrozenDocTower(self)
-
-    def frozen_doc_meta(self) -> dict[str, Any]:
-        return {"doc_tower": self.doc_tower, "doc_base_model": self._doc_base_name}
-
 
 class FrozenDocTower(nn.Module):
     """A GradCache tower that embeds documents with an encoder's frozen document tower. It
@@ -261,5 +300,3 @@ class FrozenDocTower(nn.Module):
 
     def forward(self, **inputs: Tensor) -> Tensor:
         return self.encoder.embed_doc_frozen(**inputs)
-
-

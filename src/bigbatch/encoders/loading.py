@@ -94,7 +94,7 @@ def _adapter_base(path: Path, meta: dict[str, Any]) -> str:
     Raises:
         ConfigError: the base is missing (moved or deleted) or is not a full model.
     """
-    from .base import check_model_source
+    from .source import check_model_source
 
     base = meta.get("base_model") or json.loads(
         (path / "adapter_config.json").read_text())["base_model_name_or_path"]
@@ -108,7 +108,7 @@ def _adapter_base(path: Path, meta: dict[str, Any]) -> str:
 def _attach_adapter(enc: Any, path: Path) -> Any:
     """Load the peft adapter in ``path`` onto the encoder's base model (standard keys).
     An adapter whose keys do not match the model (peft only warns, and the model then runs
-    without them) is refused: the seed pipeline lost its training this way."""
+    without them) is refused: a training pipeline before bigbatch lost its training this way."""
     import warnings
 
     from peft import PeftModel

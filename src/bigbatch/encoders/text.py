@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from .base import (EncoderBase, check_model_source, hub_load_errors, load_pretrained,
-                   model_reference, pool)
+from .base import EncoderBase, pool
+from .source import check_model_source, hub_load_errors, load_pretrained, model_reference
 
 __all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES"]
 
@@ -74,7 +74,7 @@ def _check_texts(items: Sequence[Any]) -> None:
                           f"Qwen3-VL)")
 
 
-class TextEncoder(EncoderBase, nn.Module):
+class TextEncoder(EncoderBase):
     """A Hugging Face encoder with pooling and L2 normalisation.
 
     Args:
@@ -95,7 +95,7 @@ class TextEncoder(EncoderBase, nn.Module):
 
     _allowed_missing = ("pooler.",)  # BERT's pooler: absent from sentence-transformers folders
 
-    kind = "text"
+    encoder_type = "text"
 
     def __init__(self, model: str | os.PathLike, *, pooling: str = "mean", normalize: bool = True,
                  max_length: int = 256, query_prefix: str = "", doc_prefix: str = "",
@@ -123,48 +123,19 @@ class TextEncoder(EncoderBase, nn.Module):
             self.tokenizer.pad_token = self.tokenizer.eos_token
         kwargs = {"dtype": dtype} if dtype is not None else {}
         self.model = load_pretrained(self.model_name, self._allowed_missing, **kwargs)
-        self.lora_r = lora_r
+        self.lora_r = 0
         if lora_r > 0:
             self._apply_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules)
         if gradient_checkpointing:
             self._enable_gradient_checkpointing()
 
-    @classmethod
-    def from_model(cls, model: nn.Module, tokenizer: Any, **kwargs: Any) -> "TextEncoder":
-        """Wrap an already built model and tokenizer (tests, custom architectures)."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self.model_name = getattr(model.config, "_name_or_path", "") or "custom"
-        self.base_model_name = self.model_name
-        self.pooling = kwargs.get("pooling", "mean")
-        self.normalize = kwargs.get("normalize", True)
-        self.max_length = kwargs.get("max_length", 256)
-        self.query_prefix = kwargs.get("query_prefix", "")
-        self.doc_prefix = kwargs.get("doc_prefix", "")
-        self.tokenizer = tokenizer
-        self.model = model
-        self.lora_r = 0
-        return self
-
-    # ------------------------------------------------------------------ LoRA
-    def _apply_lora(self, r: int, alpha: int, dropout: float,
-                    targets: Sequence[str] | None) -> None:
-        from peft import LoraConfig, get_peft_model
-
-        if alpha <= 0:
-            raise ConfigError(f"lora_alpha must be > 0 with LoRA, got {alpha}")
-        targets = list(targets) if targets else default_lora_targets(self.model.config.model_type)
-        config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                            bias="none")
-        try:
-            self.model = get_peft_model(self.model, config)
-        except ValueError as e:
-            raise ConfigError(f"LoRA target modules {targets} do not fit this model: {e}") from e
+    def _default_lora_targets(self) -> list[str]:
+        return default_lora_targets(self.model.config.model_type)
 
     # -------------------------------------------------------------- forward
-    def tokenize(self, texts: Sequence[str], kind: str = "doc",
+    def tokenize(self, texts: Sequence[str], side: str = "doc",
                  max_length: int | None = None, block: int = 2048) -> dict[str, Tensor]:
-        """Tokenize ``texts`` as queries (``kind="query"``) or documents, with the prefix.
+        """Tokenize ``texts`` as queries (``side="query"``) or documents, with the prefix.
 
         Large batches are tokenized ``block`` texts at a time and padded to the batch's
         longest row: a fast tokenizer keeps per-token records (strings, offsets, and the
@@ -172,7 +143,7 @@ class TextEncoder(EncoderBase, nn.Module):
         abstracts cut to 32 tokens is over 1 GB alive at once; per block it is freed as
         soon as the block's tensors are taken.
         """
-        prefix = self.query_prefix if kind == "query" else self.doc_prefix
+        prefix = self.query_prefix if side == "query" else self.doc_prefix
         keys = ("input_ids", "attention_mask", "token_type_ids")
         length = max_length or self.max_length
         parts = []
@@ -197,11 +168,11 @@ class TextEncoder(EncoderBase, nn.Module):
             out[k] = torch.cat(padded)
         return out
 
-    def step_inputs(self, items: Sequence[str], kind: str,
+    def step_inputs(self, items: Sequence[str], side: str,
                     max_length: int | None = None) -> dict[str, Tensor]:
         """What GradCache is given for one tower: the tokenized batch."""
         _check_texts(items)
-        return self.tokenize(items, kind, max_length=max_length)
+        return self.tokenize(items, side, max_length=max_length)
 
     def collate_fns(self) -> None:
         return None  # tokenized dicts need no collation
@@ -219,23 +190,27 @@ class TextEncoder(EncoderBase, nn.Module):
         emb = pool(hidden, attention_mask, self.pooling)
         return nn.functional.normalize(emb, dim=-1) if self.normalize else emb
 
-    def encode(self, texts: Sequence[str], kind: str = "doc", batch_size: int = 64,
+    def encode(self, texts: Sequence[str], side: str = "doc", batch_size: int = 64,
                device: torch.device | str | None = None, progress: str | None = None,
                autocast_dtype: torch.dtype | None = None) -> Tensor:
         """Embed ``texts`` in batches (longest first, so padding is small); returns float32
         embeddings on the CPU in the input order. Documents go through the frozen document
         tower in query-side-tune mode."""
         _check_texts(texts)
-        return self._encode(texts, kind, batch_size, device, progress, autocast_dtype,
+        return self._encode(texts, side, batch_size, device, progress, autocast_dtype,
                             order=sorted(range(len(texts)), key=lambda i: -len(texts[i])),
                             make_batch=self.tokenize, unit="text")
 
     # ----------------------------------------------------------------- saving
-    def save(self, path: str | os.PathLike, merge_lora: bool = False) -> Path:
-        """Write a folder that loads with ``SentenceTransformer(path)`` and with
-        ``AutoModel.from_pretrained(path)`` (peft adapters load through transformers' peft
-        integration, standard key layout), giving the same embeddings as this encoder."""
-        path = self._save_model(path, merge_lora)
+    def settings(self) -> dict[str, Any]:
+        return {"pooling": self.pooling, "normalize": self.normalize,
+                "max_length": self.max_length, "query_prefix": self.query_prefix,
+                "doc_prefix": self.doc_prefix}
+
+    def _save_extras(self, path: Path) -> None:
+        """sentence-transformers' files, so that ``SentenceTransformer(path)`` loads the folder
+        with the same embeddings as this encoder (and ``AutoModel.from_pretrained(path)``
+        loads it too: peft adapters through transformers' peft integration)."""
         dim = self.model.config.hidden_size
         modules = [{"idx": 0, "name": "0", "path": "", "type":
                     "sentence_transformers.models.Transformer"},
@@ -263,9 +238,3 @@ class TextEncoder(EncoderBase, nn.Module):
         (path / "config_sentence_transformers.json").write_text(json.dumps({
             "prompts": prompts, "default_prompt_name": None, "similarity_fn_name": "cosine",
             "model_type": "SentenceTransformer"}, indent=2))
-        (path / "bigbatch_encoder.json").write_text(json.dumps({
-            "pooling": self.pooling, "normalize": self.normalize, "max_length": self.max_length,
-            "query_prefix": self.query_prefix, "doc_prefix": self.doc_prefix,
-            "lora": self.is_lora and not merge_lora, "base_model": self.base_model_name,
-            **self.frozen_doc_meta()}, indent=2))
-        return path

@@ -16,8 +16,9 @@ reset before and after every call, and text-only calls get explicit position ids
 image call never leaks into a text call.
 
 The encoder is a GradCache tower fed raw examples: :meth:`collate` turns a chunk of
-examples (strings or :class:`bigbatch.data.images.ImageDoc`) into model inputs, loading
-its images only then.
+examples into model inputs, loading its images only then. An example is a string (text) or
+an image document: anything with a ``path`` attribute (the page image) and optionally a
+``text`` shown beside it, such as :class:`bigbatch.data.images.ImageDoc`.
 """
 
 from __future__ import annotations
@@ -31,15 +32,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..data.images import ImageDoc, load_image
 from ..errors import ConfigError, InputError
-from .base import (EncoderBase, check_model_source, hub_load_errors, load_pretrained,
-                   model_reference, pool)
+from .base import EncoderBase, check_side, pool
+from .images import image_text, is_image_doc, load_image
+from .source import check_model_source, hub_load_errors, load_pretrained, model_reference
 
 __all__ = ["VisionLanguageEncoder", "VL_MODEL_TYPES", "QUERY_INSTRUCTION", "DOC_INSTRUCTION",
            "is_vision_language_model", "pixels_per_visual_token"]
 
-# the seed pipeline's instructions (train_contrastors.py, convert_data_for_swift.py)
+# Qwen3-VL-Embedding's instructions, as its training pipeline (train_contrastors.py,
+# convert_data_for_swift.py) gives them
 QUERY_INSTRUCTION = "Retrieve images or text relevant to the user's query."
 DOC_INSTRUCTION = "Represent the user's input."
 TEMPLATE = ("<|im_start|>system\n{instruction}<|im_end|>\n<|im_start|>user\n{content}"
@@ -74,7 +76,7 @@ def is_vision_language_model(path: str | os.PathLike) -> bool:
     return False
 
 
-class VisionLanguageEncoder(EncoderBase, nn.Module):
+class VisionLanguageEncoder(EncoderBase):
     """Qwen2-VL / Qwen2.5-VL / Qwen3-VL as a bi-encoder (last-token pooling, L2 norm).
 
     Args:
@@ -97,7 +99,7 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
         ConfigError: an unsupported architecture or impossible option.
     """
 
-    kind = "vision-language"
+    encoder_type = "vision-language"
 
     def __init__(self, model: str | os.PathLike, *, query_instruction: str = QUERY_INSTRUCTION,
                  doc_instruction: str = DOC_INSTRUCTION, max_num_visual_tokens: int = 256,
@@ -179,21 +181,11 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
     def _vision(self) -> nn.Module:
         return self._core().visual
 
-    def _apply_lora(self, r: int, alpha: int, dropout: float,
-                    targets: Sequence[str] | None) -> None:
-        from peft import LoraConfig, get_peft_model
+    def _default_lora_targets(self) -> str:
+        return _LORA_TARGETS
 
-        if alpha <= 0:
-            raise ConfigError(f"lora_alpha must be > 0 with LoRA, got {alpha}")
-        config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none",
-                            target_modules=list(targets) if targets else _LORA_TARGETS,
-                            modules_to_save=None if self.freeze_vision else ["visual"])
-        try:
-            self.model = get_peft_model(self.model, config)
-        except ValueError as e:
-            raise ConfigError(f"LoRA target modules {targets or _LORA_TARGETS} do not fit this "
-                              f"model: {e}") from e
-        self.lora_r = r
+    def _lora_modules_to_save(self) -> list[str] | None:
+        return None if self.freeze_vision else ["visual"]
 
     def reset_rope_state(self, model: nn.Module | None = None) -> None:
         """Forget the rope offsets the model cached from its last multimodal call."""
@@ -226,20 +218,24 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
         return self.tokenizer(texts, add_special_tokens=False, truncation=True,
                               max_length=self.max_length, split_special_tokens=True)["input_ids"]
 
-    def collate(self, items: Sequence[str | ImageDoc], kind: str = "doc") -> dict[str, Tensor]:
-        """Model inputs for a chunk of queries (``kind="query"``) or documents: texts and/or
-        :class:`ImageDoc` (loaded here). Returns input_ids, attention_mask and, when the
-        chunk has images, pixel_values, image_grid_thw and mm_token_type_ids."""
-        if kind not in ("query", "doc"):
-            raise ConfigError(f"kind must be 'query' or 'doc', got {kind!r}")
-        instruction = self.query_instruction if kind == "query" else self.doc_instruction
+    def collate(self, items: Sequence[Any], side: str = "doc") -> dict[str, Tensor]:
+        """Model inputs for a chunk of queries (``side="query"``) or documents: texts and/or
+        image documents (loaded here). Returns input_ids, attention_mask and, when the
+        chunk has images, pixel_values, image_grid_thw and mm_token_type_ids.
+
+        Raises:
+            InputError: an item that is neither text nor an image document.
+            DataError: an image that cannot be read (naming its file).
+        """
+        check_side(side)
+        instruction = self.query_instruction if side == "query" else self.doc_instruction
         images, texts = [], []
         for item in items:
-            if isinstance(item, ImageDoc):
-                images.append(load_image(item.path))
-                texts.append(item.text)
-            elif isinstance(item, str):
+            if isinstance(item, str):
                 texts.append(item)
+            elif is_image_doc(item):
+                images.append(load_image(item.path))
+                texts.append(image_text(item))
             else:
                 raise InputError(f"a vision-language input must be text or an ImageDoc, got "
                                  f"{type(item).__name__}")
@@ -259,7 +255,7 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
         rows = []
         for item, text in zip(items, texts):
             content = list(next(text_ids)) if text else []
-            if isinstance(item, ImageDoc):
+            if is_image_doc(item):
                 content = ([self.vision_start_id] + [self.image_token_id] * next(counts)
                            + [self.vision_end_id] + content)
             rows.append(before + content + after)
@@ -270,13 +266,13 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
             out["mm_token_type_ids"] = (tok["input_ids"] == self.image_token_id).int()
         return out
 
-    def collate_query(self, items: Sequence[str | ImageDoc]) -> dict[str, Tensor]:
+    def collate_query(self, items: Sequence[Any]) -> dict[str, Tensor]:
         return self.collate(items, "query")
 
-    def collate_doc(self, items: Sequence[str | ImageDoc]) -> dict[str, Tensor]:
+    def collate_doc(self, items: Sequence[Any]) -> dict[str, Tensor]:
         return self.collate(items, "doc")
 
-    def step_inputs(self, items: Sequence[str | ImageDoc], kind: str,
+    def step_inputs(self, items: Sequence[Any], side: str,
                     max_length: int | None = None) -> list:
         """What GradCache is given for one tower: the raw examples (collated per chunk)."""
         return list(items)
@@ -311,50 +307,35 @@ class VisionLanguageEncoder(EncoderBase, nn.Module):
         emb = pool(hidden, attention_mask, "last")
         return nn.functional.normalize(emb, dim=-1) if self.normalize else emb
 
-    def encode(self, items: Sequence[str | ImageDoc], kind: str = "doc", batch_size: int = 16,
+    def encode(self, items: Sequence[Any], side: str = "doc", batch_size: int = 16,
                device: torch.device | str | None = None, progress: str | None = None,
                autocast_dtype: torch.dtype | None = None) -> Tensor:
         """Embed texts and/or images in batches; float32 embeddings on the CPU, input order.
         Documents go through the frozen document tower in query-side-tune mode."""
         # images first, then texts longest first: similar shapes share a batch
-        order = sorted(range(len(items)), key=lambda i: (not isinstance(items[i], ImageDoc),
+        order = sorted(range(len(items)), key=lambda i: (not is_image_doc(items[i]),
                                                          -len(str(items[i]))))
-        return self._encode(items, kind, batch_size, device, progress, autocast_dtype,
+        return self._encode(items, side, batch_size, device, progress, autocast_dtype,
                             order=order, make_batch=self.collate, unit="item")
 
     # ----------------------------------------------------------------- saving
     def settings(self) -> dict[str, Any]:
-        return {"encoder": self.kind, "model_type": self.model_type,
+        return {"encoder": self.encoder_type, "model_type": self.model_type,
                 "query_instruction": self.query_instruction,
                 "doc_instruction": self.doc_instruction,
                 "max_num_visual_tokens": self.max_num_visual_tokens,
                 "min_num_visual_tokens": self.min_num_visual_tokens,
                 "max_length": self.max_length, "normalize": self.normalize,
-                "freeze_vision": self.freeze_vision, "doc_tower": self.doc_tower}
+                "freeze_vision": self.freeze_vision, "pooling": self.pooling}
 
-    def cache_key(self) -> dict[str, Any]:
-        """What identifies this encoder's embeddings (for the corpus embedding cache)."""
-        from ..data.corpus import _files_key
-
-        name = Path(self.model_name)
-        return {"model": str(name.resolve()) if name.exists() else str(name),
-                "files": _files_key(name), **self.settings()}
-
-    def save(self, path: str | os.PathLike, merge_lora: bool = False) -> Path:
-        """Write a folder that plain transformers (+ peft for an adapter) loads with the
-        standard key layout: ``AutoModel.from_pretrained(path)`` for merged or full weights,
-        ``PeftModel.from_pretrained(AutoModel.from_pretrained(base), path)`` for an adapter;
-        plus the tokenizer, the image processor (with the pixel budget) and
-        ``bigbatch_encoder.json`` (instructions, pooling) for :func:`load_encoder`."""
-        path = self._save_model(path, merge_lora)
+    def _save_extras(self, path: Path) -> None:
+        """The image processor, with the pixel budget. The folder loads with plain
+        transformers (+ peft for an adapter), standard key layout:
+        ``AutoModel.from_pretrained(path)`` for merged or full weights,
+        ``PeftModel.from_pretrained(AutoModel.from_pretrained(base), path)`` for an
+        adapter."""
         import copy
         proc = copy.deepcopy(self.image_processor)
         lo, hi = self.pixel_budget
         proc.size = {"shortest_edge": lo, "longest_edge": hi}
         proc.save_pretrained(path)
-        meta = self.settings()
-        meta.update(lora=self.is_lora and not merge_lora, base_model=self.base_model_name,
-                    pooling="last")
-        meta.update(self.frozen_doc_meta())
-        (path / "bigbatch_encoder.json").write_text(json.dumps(meta, indent=2))
-        return path

@@ -22,7 +22,7 @@ from ..errors import ConfigError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rotate_checkpoints",
            "abandon_later_checkpoints", "recover_output_dir", "finished_run", "rng_state",
-           "set_rng_state", "atomic_dir"]
+           "set_rng_state", "atomic_dir", "fsync_dir"]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -50,7 +50,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fsync_dir(path: str | Path) -> None:
+def fsync_dir(path: str | Path) -> None:
     """Flush a directory's entries (renames, new files) to disk; a no-op where directories
     cannot be opened (Windows)."""
     try:
@@ -93,12 +93,12 @@ class atomic_dir:
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         for d in [*(p for p in self.tmp.rglob("*") if p.is_dir()), self.tmp]:
-            _fsync_dir(d)  # and the directory entries naming them
+            fsync_dir(d)  # and the directory entries naming them
         old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
         if self.final.exists():
             os.replace(self.final, old)
         os.replace(self.tmp, self.final)
-        _fsync_dir(self.final.parent)  # both renames on disk before the old copy goes
+        fsync_dir(self.final.parent)  # both renames on disk before the old copy goes
         if old.exists():
             shutil.rmtree(old)
 
@@ -132,7 +132,7 @@ def recover_output_dir(output_dir: str | Path) -> list[str]:
         olds = sorted(kinds["old"], key=lambda p: p.stat().st_mtime_ns)
         if olds and not target.exists():
             os.replace(olds[-1], target)
-            _fsync_dir(out)
+            fsync_dir(out)
             done.append(f"restored {target} from {olds[-1].name} (a kill interrupted its "
                         f"replacement)")
             olds = olds[:-1]
@@ -280,8 +280,8 @@ def abandon_later_checkpoints(output_dir: str | Path, step: int) -> Path | None:
         os.replace(p, dest / p.name)
     if (out / "metrics.jsonl").exists():
         shutil.copy2(out / "metrics.jsonl", dest / "metrics.jsonl")
-    _fsync_dir(dest)
-    _fsync_dir(out)
+    fsync_dir(dest)
+    fsync_dir(out)
     print(f"bigbatch train: resuming from step {step}, but {out} holds outputs of a later "
           f"point of the run ({', '.join(p.name for p in later)}); they belong to the "
           f"timeline this resume abandons and were moved to {dest}", flush=True)

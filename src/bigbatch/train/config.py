@@ -25,7 +25,8 @@ MODES = ("standard", "query-side-tune")
 
 @dataclass
 class TrainConfig:
-    """Every option of ``bigbatch train``; defaults follow the seed pipeline."""
+    """Every option of ``bigbatch train``; defaults follow Qwen3-VL-Embedding's GradCache
+    training pipeline (``train_contrastors.py``)."""
 
     model: str = ""
     train_data: str = ""
@@ -89,7 +90,7 @@ class TrainConfig:
 
         if not self.model:
             raise ConfigError("--model is required: a path or name of a transformers model")
-        from ..encoders.base import check_model_source
+        from ..encoders.source import check_model_source
         check_model_source(self.model)  # before any data loads: an adapter, a missing path
         if not self.train_data:
             raise ConfigError("--train-data is required: a training file (JSONL in the "

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import _fsync_dir
+from .checkpoint import fsync_dir
 
 __all__ = ["RunLogger", "plot_metrics", "truncate_metrics"]
 
@@ -47,7 +47,7 @@ def truncate_metrics(path: str | Path, step: int) -> int:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     return dropped
 
 

@@ -1,0 +1,120 @@
+"""Where an encoder's weights come from: checking a model source before anything loads,
+loading it (refusing half-loaded checkpoints), how a model is recorded in saved folders, and
+what identifies its files (for the corpus-embedding cache)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+__all__ = ["model_reference", "check_model_source", "hub_load_errors", "load_pretrained",
+           "files_key"]
+
+
+def model_reference(model: str | os.PathLike) -> str:
+    """How a base model is recorded in saved folders (``base_model``, the adapter's
+    ``base_model_name_or_path``): an existing local folder as its absolute path, so the
+    folder loads from any working directory; a hub name as given."""
+    path = Path(model)
+    return str(path.resolve()) if path.exists() else str(model)
+
+
+def check_model_source(model: str | os.PathLike, option: str = "--model") -> None:
+    """Refuse a model source that is not a full transformers model, before anything loads.
+
+    A local folder must hold ``config.json``. A LoRA adapter folder (a LoRA run's ``final/``
+    or ``checkpoint-N/model``) is not one: transformers would load it with the adapter
+    frozen, and a new adapter of the same name would silently replace it, so training would
+    start from the base model and lose the adapter's training. A path that does not exist is
+    refused too; a hub name (``namespace/name``) is left to transformers.
+
+    Raises:
+        ConfigError: naming ``option``, the path and what to give instead.
+    """
+    import json
+
+    from ..errors import ConfigError
+
+    text = str(model)
+    p = Path(model).expanduser()
+    if p.is_dir():
+        if (p / "config.json").exists():
+            return
+        adapter = p / "adapter_config.json"
+        if adapter.exists():
+            try:
+                base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+            except (OSError, ValueError):
+                base = None
+            raise ConfigError(
+                f"{option}: {text} is a LoRA adapter over {base or 'an unknown base model'}, "
+                f"not a full model (a new adapter on it would replace it and drop its "
+                f"training). To train from it, give its base model, --resume the run it came "
+                f"from, or use a run saved with --merge-lora (full weights)")
+        if (p / "model").is_dir() and (p / "trainer_state.pt").exists():
+            raise ConfigError(f"{option}: {text} is a bigbatch checkpoint directory; give its "
+                              f"model folder {p / 'model'} (or --resume {p.parent} to continue "
+                              f"the run)")
+        raise ConfigError(f"{option}: {text} holds no transformers model (no config.json)")
+    if p.exists():
+        raise ConfigError(f"{option}: {text} is a file; give a model folder")
+    looks_local = p.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1 \
+        or (os.sep != "/" and os.sep in text)
+    if looks_local:
+        raise ConfigError(f"{option}: {text} does not exist")
+
+
+@contextlib.contextmanager
+def hub_load_errors(name: str) -> Iterator[None]:
+    """Turn transformers' OSError for a source it cannot load (a hub name not in the cache
+    while offline or with no network, a folder without the files) into a ConfigError
+    naming the source, instead of a traceback."""
+    from ..errors import ConfigError
+
+    try:
+        yield
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{name}: transformers could not load it: {first}") from e
+
+
+def load_pretrained(name: str, allowed_missing: tuple[str, ...] = (), **kwargs: Any) -> nn.Module:
+    """``AutoModel.from_pretrained(name)`` that refuses a checkpoint whose weights did not all
+    load: a missing or wrongly shaped weight would otherwise start from random values and
+    train silently from there. ``allowed_missing``: key prefixes never used (BERT's pooler).
+    Task-head weights in the checkpoint (``lm_head``) are unused and ignored.
+
+    Raises:
+        ConfigError: naming the first missing or mismatched keys and how many there are.
+    """
+    from transformers import AutoModel
+
+    from ..errors import ConfigError
+
+    with hub_load_errors(name):
+        model, info = AutoModel.from_pretrained(name, output_loading_info=True, **kwargs)
+    bad = [k for k in info.get("missing_keys", ()) if not k.startswith(allowed_missing)]
+    bad += [str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys", ())]
+    if bad:
+        shown = ", ".join(sorted(bad)[:5]) + (", ..." if len(bad) > 5 else "")
+        raise ConfigError(f"{name}: {len(bad)} weight(s) of {type(model).__name__} were not "
+                          f"loaded from the checkpoint ({shown}); they would start from random "
+                          f"values. Is this the model folder you meant?")
+    return model
+
+
+def files_key(path: str | os.PathLike) -> list[Any]:
+    """What identifies a model folder's (or a file's) contents without reading them: each
+    file's name, size and modification time (the path alone when it does not exist, a hub
+    name)."""
+    path = Path(path)
+    if not path.exists():
+        return [str(path)]
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return [(str(p.relative_to(path)) if path.is_dir() else p.name, p.stat().st_size,
+             p.stat().st_mtime_ns) for p in files]

@@ -1,0 +1,132 @@
+"""Building a training run's parts from its configuration: the device, the encoder (text or
+vision-language, checked against the data and the model's positions), the loss, the
+optimizer and the GradCache engine with its towers and chunk sizes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import distributed as D
+from ..cache import GradCache
+from ..errors import ConfigError
+from ..losses import CorpusInfoNCE, InfoNCE
+from .config import TrainConfig, model_positions
+
+__all__ = ["DTYPES", "device_for", "build_encoder", "build_loss", "build_optimizer",
+           "build_cache"]
+
+# --dtype: the autocast dtype of the encoder (None: float32, no autocast)
+DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def device_for(config: TrainConfig, info: D.WorldInfo) -> torch.device:
+    """``--device``, else this rank's accelerator (``cuda:LOCAL_RANK``), else the CPU."""
+    if config.device:
+        return torch.device(config.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", info.local_rank)
+    return torch.device("cpu")
+
+
+def _check_max_length(config: TrainConfig, model_config: Any) -> None:
+    """A max length beyond the model's position embeddings fails inside the model at the
+    first long batch, possibly hours in; refuse it now."""
+    limit = model_positions(getattr(model_config, "max_position_embeddings", None),
+                            getattr(model_config, "model_type", ""))
+    if limit is None:
+        return
+    for name in ("max_length", "query_max_length"):
+        value = getattr(config, name)
+        if value is not None and value > limit:
+            raise ConfigError(f"--{name.replace('_', '-')}: {value} is more than the "
+                              f"{limit} positions {config.model} has")
+
+
+def build_encoder(config: TrainConfig, records: list, lora_r: int) -> Any:
+    """The text or vision-language encoder the configuration asks for (``--encoder auto``:
+    by the model folder), with a LoRA adapter of rank ``lora_r`` (0: full fine-tuning).
+
+    Raises:
+        ConfigError: image documents for a text model, a max length beyond the model's
+            positions, or a bad encoder option.
+    """
+    from ..data.images import ImageDoc
+    from ..encoders import TextEncoder, VisionLanguageEncoder, is_vision_language_model
+
+    encoder_type = config.encoder
+    if encoder_type == "auto":
+        encoder_type = "vision-language" if is_vision_language_model(config.model) else "text"
+    if encoder_type == "text":
+        image = next((r for r in records if isinstance(r.positive, ImageDoc)
+                      or any(isinstance(n, ImageDoc) for n in r.negatives)), None)
+        if image is not None:
+            raise ConfigError(f"{image.source}:{image.line}: the training data has image "
+                              f"documents, but --model {config.model} is a text model; use a "
+                              f"Qwen2-VL / Qwen2.5-VL / Qwen3-VL model")
+        enc = TextEncoder(config.model, pooling=config.pooling, max_length=config.max_length,
+                          query_prefix=config.query_prefix, doc_prefix=config.doc_prefix,
+                          lora_r=lora_r, lora_alpha=config.lora_alpha,
+                          lora_dropout=config.lora_dropout,
+                          lora_target_modules=config.lora_target_modules,
+                          gradient_checkpointing=config.gradient_checkpointing)
+        _check_max_length(config, enc.model.config)
+        return enc
+    from ..encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
+
+    return VisionLanguageEncoder(
+        config.model, query_instruction=config.query_instruction or QUERY_INSTRUCTION,
+        doc_instruction=config.doc_instruction or DOC_INSTRUCTION,
+        max_num_visual_tokens=config.max_num_visual_tokens,
+        min_num_visual_tokens=config.min_num_visual_tokens, max_length=config.max_length,
+        freeze_vision=config.freeze_vision, lora_r=lora_r, lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout, lora_target_modules=config.lora_target_modules,
+        gradient_checkpointing=config.gradient_checkpointing)
+
+
+def build_loss(config: TrainConfig, corpus: Any, device: torch.device) -> torch.nn.Module:
+    """InfoNCE over the batch's documents, or with ``corpus`` (a
+    :class:`~bigbatch.train.corpus.FixedCorpus`) CorpusInfoNCE over its embeddings."""
+    learnable = not config.fixed_temperature
+    if corpus is not None:
+        return CorpusInfoNCE(corpus.emb, temperature=config.temperature,
+                             learnable_temperature=learnable).to(device)
+    return InfoNCE(temperature=config.temperature, learnable_temperature=learnable,
+                   symmetric=config.symmetric).to(device)
+
+
+def build_optimizer(config: TrainConfig, model_params: list[torch.nn.Parameter],
+                    loss_fn: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW over the model's trainable parameters (with weight decay) and the loss's
+    temperature (without, at ``--logit-scale-lr`` or ``--lr``)."""
+    groups = [{"params": model_params, "weight_decay": config.weight_decay}]
+    if list(loss_fn.parameters()):
+        groups.append({"params": list(loss_fn.parameters()), "weight_decay": 0.0,
+                       "lr": config.logit_scale_lr or config.lr})
+    return torch.optim.AdamW(groups, lr=config.lr)
+
+
+def build_cache(config: TrainConfig, encoder: Any, loss_fn: torch.nn.Module, corpus: Any,
+                scaler: Any, device: torch.device) -> tuple[GradCache, int, int]:
+    """The GradCache engine over the encoder's towers, and the (document, query) chunk
+    sizes it uses. Query-side tuning embeds documents with the frozen document tower, or
+    with ``corpus`` takes no document tower at all; its direct backward is one query chunk.
+    """
+    query_side = config.mode == "query-side-tune"
+    chunk = config.grad_cache_chunk
+    q_chunk = min(config.query_grad_cache_chunk or chunk, config.batch_size)
+    if query_side and config.query_side_backward == "direct":
+        q_chunk = config.batch_size  # one chunk: its graph is kept, backward runs directly
+    if corpus is not None:
+        towers, chunks = {"query": encoder}, {"query": q_chunk}
+    else:
+        doc_tower = encoder.frozen_doc_tower() if query_side else encoder
+        towers, chunks = {"query": encoder, "doc": doc_tower}, {"query": q_chunk, "doc": chunk}
+    collate = encoder.collate_fns()
+    if collate is not None:
+        collate = {name: collate[name] for name in towers}
+    cache = GradCache(towers, loss_fn, chunk_size=chunks, collate_fn=collate,
+                      autocast_dtype=DTYPES[config.dtype], scaler=scaler, device=device,
+                      sort_by_length=True, cross_device=corpus is None)
+    return cache, chunk, q_chunk
