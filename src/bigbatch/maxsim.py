@@ -80,7 +80,7 @@ def _block_scores(q: Tensor, q_weight: Tensor, d: Tensor, d_mask: Tensor) -> Ten
     q = q.masked_fill(q_weight[..., None] == 0, 0)  # a masked token's value never matters
     d = d.masked_fill(~d_mask[..., None], 0)
     sim = (q.reshape(b * tq, dim) @ d.reshape(n * td, dim).T).view(b, tq, n, td)
-    sim = sim.masked_fill(~d_mask[None, None], float("-inf"))
+    sim.masked_fill_(~d_mask[None, None], float("-inf"))  # in place: one block-sized tensor
     return (sim.max(dim=3).values * q_weight[..., None]).sum(1)
 
 

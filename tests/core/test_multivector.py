@@ -125,6 +125,27 @@ def test_the_graph_keeps_no_block():
     assert q.values.grad.abs().sum() > 0 and d.values.grad.abs().sum() > 0
 
 
+def test_no_operation_allocates_anything_near_the_full_similarity_tensor():
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(2)
+    q = bb.TokenEmbeddings(torch.randn(8, 16, 8, dtype=DT, generator=gen).requires_grad_(),
+                           torch.ones(8, 16))
+    d = bb.TokenEmbeddings(torch.randn(32, 64, 8, dtype=DT, generator=gen).requires_grad_(),
+                           torch.ones(32, 64))
+    full = 8 * 32 * 16 * 64 * 8  # bytes of all similarities at once: 2 MiB
+    largest = {}
+    for elements in (2 ** 12, 2 ** 30):
+        loss_fn = bb.MaxSimInfoNCE(symmetric=True, max_block_elements=elements).to(DT)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss, _ = loss_fn(query=q, doc=d)
+            loss.backward()
+        largest[elements] = max(e.cpu_memory_usage for e in prof.events())
+    assert largest[2 ** 30] >= full  # one block: the measure sees the whole tensor
+    inputs = d.values.numel() * 8
+    assert largest[2 ** 12] <= inputs + 2 * 2 ** 12 * 8 < full / 8  # a gradient, a block
+
+
 # ------------------------------------------------------------- the engine, exact
 @pytest.mark.parametrize("chunk", [1, 4, 100], ids=["chunk1", "chunk4-not-dividing", "chunk>batch"])
 @pytest.mark.parametrize("k", [0, 2])
