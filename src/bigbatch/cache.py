@@ -23,7 +23,9 @@ The engine is small and overridable, as luyug/GradCache's is: subclass and overr
 (how a tower is called on a chunk), or :meth:`GradCache.compute_loss`. How inputs are cut
 into chunks is :mod:`bigbatch.chunking`; what the ranks of ``torch.distributed`` agree on
 and exchange around the three stages (and how a failure on one rank ends the step on all)
-is :mod:`bigbatch.crossrank`.
+is :mod:`bigbatch.crossrank`. A tower may return one vector per token
+(:class:`bigbatch.TokenEmbeddings`) for a late-interaction loss; what the cache then holds,
+and its memory, is :mod:`bigbatch.embeddings`.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ from torch import Tensor, nn
 
 from . import chunking, crossrank
 from . import distributed as D
+from . import embeddings as E
 from .chunking import Chunk
-from .errors import ConfigError, InputError, NonFiniteError, ShapeError
+from .embeddings import Embedding
+from .errors import ConfigError, InputError, NonFiniteError
 from .loss_contract import LossArguments, loss_and_metrics, scalar_loss
 from .rng import RandContext
 
@@ -81,8 +85,9 @@ class _TowerRun:
     rows: list[int]
     order: Tensor | None  # permutation applied before chunking (length ordering)
     contexts: list[RandContext] = field(default_factory=list)
-    reps: Tensor | None = None
-    kept: Tensor | None = None  # last chunk's embedding with its graph, not replayed
+    reps: Embedding | None = None
+    kept: Embedding | None = None  # last chunk's embedding with its graph, not replayed
+    spans: list[tuple[int, int]] | None = None  # token embeddings: each chunk's cached columns
 
 
 def _is_trainable(tower: Callable) -> bool:
@@ -92,23 +97,17 @@ def _is_trainable(tower: Callable) -> bool:
     return any(p.requires_grad for p in params())
 
 
-def _surrogate_backward(emb: Tensor, grad: Tensor) -> None:
-    """Backpropagate the cached gradient: d/dθ sum(emb * grad), in the gradient's dtype.
-
-    An embedding that does not require grad (a plain-function tower over frozen weights)
-    has nothing to receive, which is the exact result."""
-    if emb.requires_grad:
-        torch.autograd.backward(emb.to(grad.dtype), grad)
-
-
 class GradCache:
     """Exact gradient caching for contrastive losses over one or more towers.
 
     Args:
         towers: ``{name: tower}``; a tower is any callable from one chunk of inputs to a
-            ``(rows, dim)`` tensor. A dict chunk is passed as keyword arguments
-            (``tower(**chunk)``, as Hugging Face models expect), anything else as the one
-            positional argument. The same module may serve several towers.
+            ``(rows, dim)`` tensor, or to :class:`bigbatch.TokenEmbeddings` ``(values
+            (rows, tokens, dim), mask (rows, tokens))`` for the arguments a late-interaction
+            loss names in its ``token_inputs`` (the cache then holds ``rows x tokens x dim``
+            per tower, ``tokens`` the batch's longest row). A dict chunk is passed as keyword
+            arguments (``tower(**chunk)``, as Hugging Face models expect), anything else as
+            the one positional argument. The same module may serve several towers.
         loss_fn: called as ``loss_fn(**{name: embeddings}, **loss_kwargs)``; returns a scalar
             tensor, a ``(loss, metrics)`` pair (e.g. :class:`bigbatch.InfoNCE`) or a dict with
             a ``"loss"`` key. Any loss works, not only InfoNCE.
@@ -218,14 +217,14 @@ class GradCache:
                                      collate=self.collate_fns.get(name),
                                      trim_padding=self.trim_padding)
 
-    def embed(self, name: str, chunk: Chunk) -> Tensor:
+    def embed(self, name: str, chunk: Chunk) -> Embedding:
         """Run tower ``name`` on one chunk: ``tower(**chunk)`` for a dict, else ``tower(chunk)``."""
         tower = D.unwrap_ddp(self.towers[name])  # DDP's own forward would sync buffers
         if isinstance(chunk, Mapping):
             return tower(**chunk)
         return tower(chunk)
 
-    def compute_loss(self, reps: dict[str, Tensor], **loss_kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    def compute_loss(self, reps: dict[str, Embedding], **loss_kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """Call the loss on the full-batch embeddings and return ``(loss, metrics)``."""
         return loss_and_metrics(self.loss_fn(**reps, **loss_kwargs))
 
@@ -240,9 +239,10 @@ class GradCache:
         the ranks stay in step (see :mod:`bigbatch.crossrank`).
 
         Raises:
-            InputError: a tower's input is missing or empty, or an argument is neither a
-                tower nor accepted by the loss.
-            ShapeError: a tower output is not ``(rows, dim)``.
+            InputError: a tower's input is missing or empty, an argument is neither a
+                tower nor accepted by the loss, or a token row with every token masked.
+            ShapeError: a tower output is not ``(rows, dim)`` (or TokenEmbeddings of a
+                wrong shape), or not the kind the loss takes for that tower.
             NonFiniteError: NaN/inf in an embedding or in the loss (nothing written yet).
             ConfigError: called under ``torch.inference_mode()``, which nothing can lift.
         """
@@ -317,17 +317,13 @@ class GradCache:
                     ctx.include(chunk)  # a device only the collated chunk reveals
                     run.contexts.append(ctx)
                 with torch.set_grad_enabled(keep), self._autocast(chunking.first_device(chunk)):
-                    emb = self._checked(run.name, c, self.embed(run.name, chunk), run.rows[c])
+                    emb = E.check_output(run.name, c, self.embed(run.name, chunk), run.rows[c],
+                                         run.name in self._loss_args.token_inputs)
                 if keep:
                     run.kept = emb
-                    emb = emb.detach()
+                    emb = E.detached(emb)
                 outs.append(emb)
-            reps = torch.cat(outs) if len(outs) > 1 else outs[0]
-            if reps.dtype in (torch.float16, torch.bfloat16):
-                reps = reps.float()
-            if run.order is not None:
-                reps = torch.empty_like(reps).index_copy_(0, run.order.to(reps.device), reps)
-            run.reps = reps.detach().requires_grad_(run.trainable)
+            run.reps, run.spans = E.cache_of(run.name, outs, run.order, run.trainable)
 
     def _loss_and_backward(self, runs: list[_TowerRun], loss_kwargs: dict[str, Any]
                            ) -> tuple[Tensor, dict[str, Any]]:
@@ -348,7 +344,7 @@ class GradCache:
         for run in runs:
             if not run.trainable:
                 continue
-            grad = run.reps.grad
+            grad = E.grad_of(run.reps)
             if grad is None:
                 run.kept = None
                 continue
@@ -360,20 +356,21 @@ class GradCache:
             jobs.extend((run, c, grads[c]) for c in range(len(run.contexts)))
         sync_at = crossrank.fsdp_sync_points([self.towers[run.name] for run, _, _ in jobs], fsdp)
         for j, (run, c, g) in enumerate(jobs):
+            span = run.spans[-1 if c is None else c] if run.spans else None
             if j in sync_at:  # reduce-scatter on each FSDP module's last backward only
                 crossrank.set_fsdp_sync(sync_at[j], True)
             self._where = (f"while re-embedding tower {run.name!r} (chunk {c}, second pass)"
                            if c is not None else f"in the backward of tower {run.name!r} "
                            f"(chunk {len(run.chunks) - 1}, kept from the first pass)")
             if c is None:
-                _surrogate_backward(run.kept, g)
+                E.surrogate_backward(run.kept, g, span)
                 run.kept = None
                 continue
             with run.contexts[c]:  # the collate_fn's random draws are replayed as well
                 chunk = chunking.to_device(chunking.materialize(run.chunks[c]), self.device)
                 with self._autocast(chunking.first_device(chunk)):
                     emb = self.embed(run.name, chunk)
-            _surrogate_backward(emb, g)
+            E.surrogate_backward(emb, g, span)
 
     # ----------------------------------------------------------------- helpers
     def _plan(self, name: str, inputs: Any, allow_empty: bool = False) -> _TowerRun:
@@ -407,19 +404,9 @@ class GradCache:
         dev_type = (self.device or device or torch.device("cpu")).type
         return torch.autocast(device_type=dev_type, dtype=self.autocast_dtype)
 
-    def _checked(self, name: str, index: int, emb: Any, rows: int) -> Tensor:
-        if not isinstance(emb, Tensor):
-            raise ShapeError(f"tower {name!r} returned {type(emb).__name__} for chunk {index}; a "
-                             f"tower must return a (rows, dim) tensor (wrap a Hugging Face model "
-                             f"so that it pools and returns the embedding)")
-        if emb.dim() != 2 or emb.shape[0] != rows:
-            raise ShapeError(f"tower {name!r} returned shape {tuple(emb.shape)} for chunk {index} "
-                             f"of {rows} rows; expected ({rows}, dim)")
-        return emb
-
     def _check_finite(self, runs: list[_TowerRun], loss: Tensor) -> None:
-        flags = torch.stack([torch.isfinite(r.reps).all() for r in runs]
-                            + [torch.isfinite(loss.detach()).to(runs[0].reps.device)])
+        flags = [E.all_finite(r.reps) for r in runs]
+        flags = torch.stack(flags + [torch.isfinite(loss.detach()).to(flags[0].device)])
         ok = flags.tolist()  # the one synchronisation of the step
         for run, fine in zip(runs, ok):
             if not fine:

@@ -9,10 +9,12 @@ of :meth:`bigbatch.GradCache.step` the engine calls, in this order:
    and chunk counts per tower, its loss arguments, and whether its inputs failed their
    checks; then (1) embedding without gradients;
 2. :meth:`RankStep.agree_after_embedding`: one all-gather of the first pass's failure
-   flag, finiteness and embedding widths;
+   flag, finiteness, embedding widths and token counts (of token embeddings);
 3. :meth:`RankStep.loss_and_backward`: the loss on every rank's embeddings
-   (:meth:`RankStep.gather`, one all-gather with gradient; see :mod:`bigbatch.distributed`
-   for the scaling) and its backward to them; then (3) the replay with gradients;
+   (:meth:`RankStep.gather`, one all-gather with gradient, token embeddings padded to the
+   longest row of all ranks and cut back to this rank's in the backward; see
+   :mod:`bigbatch.distributed` for the scaling) and its backward to them; then (3) the
+   replay with gradients;
 4. :meth:`RankStep.sync_gradients`: one coalesced all-reduce of the gradients.
 
 DDP towers are called through their inner module and FSDP2 (``fully_shard``) towers
@@ -63,6 +65,8 @@ import torch
 from torch import Tensor, nn
 
 from . import distributed as D
+from . import embeddings as E
+from .embeddings import Embedding
 from .errors import ConfigError, InputError, NonFiniteError, ShapeError
 from .loss_contract import scalar_loss
 
@@ -184,6 +188,7 @@ class RankStep:
         self.scaler = scaler
         self.distributed = D.is_distributed(group)
         self.fsdp = fsdp_modules(towers)
+        self.tokens: dict[str, int] = {}  # the longest token row of all ranks, per token tower
 
     def params_to_sync(self) -> list[nn.Parameter]:
         """The parameters whose gradients :meth:`sync_gradients` sums (none without it).
@@ -243,18 +248,23 @@ class RankStep:
                               f"size on every rank")
         return counts
 
-    def agree_after_embedding(self, reps: Mapping[str, Tensor | None],
+    def agree_after_embedding(self, reps: Mapping[str, Embedding | None],
                               failure: Exception | None = None, where: str = "") -> None:
         """Exchange whether embedding failed on this rank (``failure``: a tower raised, or
-        returned a wrong shape, ``where``), finiteness and embedding width per tower, in one
+        returned a wrong shape, ``where``), finiteness, embedding width and token count
+        (:attr:`tokens`: the longest of all ranks, kept for :meth:`gather`) per tower, in one
         all-gather, so that all ranks fail together."""
+        n = len(reps)
         if failure is None:
-            finite = [int(bool(torch.isfinite(r).all())) if self.check_finite else 1
+            finite = [int(bool(E.all_finite(r))) if self.check_finite else 1
                       for r in reps.values()]
-            dims = [r.shape[1] for r in reps.values()]
+            dims = [E.dim_of(r) for r in reps.values()]
+            tokens = [E.tokens_of(r) for r in reps.values()]
         else:
-            finite, dims = [1] * len(reps), [0] * len(reps)
-        table = D.exchange_failure(failure, self.group, where, [*finite, *dims])
+            finite, dims, tokens = [1] * n, [0] * n, [0] * n
+        table = D.exchange_failure(failure, self.group, where, [*finite, *dims, *tokens])
+        self.tokens = {name: int(table[:, 2 * n + i].max()) for i, name in enumerate(reps)
+                       if tokens[i]}
         for i, name in enumerate(reps):
             bad = [r for r in range(table.shape[0]) if table[r, i] == 0]
             if bad:
@@ -265,25 +275,33 @@ class RankStep:
                 raise ShapeError(f"tower {name!r} embeds to different widths on the ranks: "
                                  f"{widths}; every rank must run the same model")
 
-    def gather(self, reps: Mapping[str, Tensor], counts: dict[str, list[int]],
+    def gather(self, reps: Mapping[str, Embedding], counts: dict[str, list[int]],
                state: D.GatherState | None = None) -> D.Gathered:
-        """All towers' embeddings from all ranks, in one all-gather with gradient."""
+        """All towers' embeddings from all ranks, in one all-gather with gradient. Token
+        embeddings are padded to :attr:`tokens` (set by :meth:`agree_after_embedding`; for
+        a token tower it lacks, one small all-gather finds the longest row first)."""
         info = D.world_info(self.group)
         runs = list(reps.items())
-        dtype = runs[0][1].dtype
+        missing = [name for name, r in runs if E.tokens_of(r) and name not in self.tokens]
+        if missing:
+            table = D.raise_together(None, self.group, [E.tokens_of(reps[n]) for n in missing])
+            self.tokens.update({n: int(table[:, i].max()) for i, n in enumerate(missing)})
+        dtype = E.dtype_of(runs[0][1])
         for _, r in runs[1:]:
-            dtype = torch.promote_types(dtype, r.dtype)
-        dims = [r.shape[1] for _, r in runs]
-        flat = torch.cat([r.to(dtype).reshape(-1) for _, r in runs])
-        sizes = [sum(counts[name][rank] * d for (name, _), d in zip(runs, dims))
+            dtype = torch.promote_types(dtype, E.dtype_of(r))
+        shapes = [(E.dim_of(r), self.tokens.get(name, 0)) for name, r in runs]
+        widths = [E.row_numel(d, t) for d, t in shapes]
+        flat = torch.cat([E.pack(r, t, dtype).reshape(-1) for (_, r), (_, t) in zip(runs, shapes)])
+        sizes = [sum(counts[name][rank] * w for (name, _), w in zip(runs, widths))
                  for rank in range(info.world_size)]
         every = D.gather_with_grad(flat, self.group, sizes, state).split(sizes)
         per_tower: dict[str, list[Tensor]] = {name: [] for name, _ in runs}
         for rank, part in enumerate(every):
-            pieces = part.split([counts[name][rank] * d for (name, _), d in zip(runs, dims)])
-            for (name, _), d, piece in zip(runs, dims, pieces):
-                per_tower[name].append(piece.view(-1, d))
-        gathered = {name: torch.cat(parts) for name, parts in per_tower.items()}
+            pieces = part.split([counts[name][rank] * w for (name, _), w in zip(runs, widths)])
+            for (name, _), w, piece in zip(runs, widths, pieces):
+                per_tower[name].append(piece.view(-1, w))
+        gathered = {name: E.unpack(torch.cat(per_tower[name]), d, t)
+                    for (name, _), (d, t) in zip(runs, shapes)}
         return D.Gathered(gathered, {name: counts[name] for name, _ in runs}, info.rank,
                           info.world_size, self.group)
 

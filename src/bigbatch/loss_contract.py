@@ -4,6 +4,11 @@ plus extras such as ``doc_ids``) and what it returns (a scalar loss and its metr
 :class:`LossArguments` checks the towers against the loss's signature once and sorts each
 step's arguments into tower inputs and loss arguments; :func:`loss_and_metrics` reads what a
 loss returned; :func:`scalar_loss` checks that the loss is a 0-d tensor.
+
+A loss that takes one embedding per token (:class:`bigbatch.TokenEmbeddings`) for some of
+its arguments names them in a ``token_inputs`` attribute (e.g. ``("query", "doc")``, as
+:class:`bigbatch.MaxSimInfoNCE` does); the towers of those arguments must return token
+embeddings, every other tower a ``(rows, dim)`` tensor.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ __all__ = ["LossArguments", "loss_and_metrics", "scalar_loss"]
 
 
 class LossArguments:
-    """The keyword arguments ``loss_fn`` accepts, checked against the tower names.
+    """The keyword arguments ``loss_fn`` accepts, checked against the tower names, and
+    ``token_inputs``: the towers whose embeddings the loss takes as token embeddings.
 
     Raises:
         ConfigError: the loss takes no ``**kwargs`` and lacks a tower's name.
@@ -29,6 +35,7 @@ class LossArguments:
     def __init__(self, loss_fn: Callable[..., Any], towers: Iterable[str]) -> None:
         self.towers = list(towers)
         self.names, self.var_kw = _keywords(loss_fn)
+        self.token_inputs = frozenset(getattr(loss_fn, "token_inputs", ()))
         if not self.var_kw:
             missing = [n for n in self.towers if n not in self.names]
             if missing:
