@@ -308,7 +308,8 @@ def train(config: TrainConfig, _stop_after: int | None = None) -> dict[str, Any]
         out.mkdir(parents=True, exist_ok=True)
         recover_output_dir(out)  # what a kill inside atomic_dir left, before anyone reads it
     _barrier(info)
-    records = load_records(config.train_data, config.train_split, config.num_hard_negatives)
+    records = load_records(config.train_data, config.train_split, config.num_hard_negatives,
+                           config.data_root)
     if config.eval_data:  # a bad evaluation set stops the run now, not after training
         check_beir_split(config.eval_data, config.eval_split, config.best_metric)
     if config.grad_cache_chunk > config.batch_size:
