@@ -167,9 +167,11 @@ def test_document_files_must_be_regular_files_of_bounded_size(tmp_path):
 
 def test_a_data_file_that_is_a_fifo_or_a_device_is_refused(tmp_path):
     os.mkfifo(tmp_path / "data.jsonl")
-    for path in (tmp_path / "data.jsonl", Path("/dev/zero")):
-        _, problems = finishes(lambda: validate_file(path, "contrastors"))
-        assert len(problems) == 1 and "not a regular file" in str(problems[0])
+    os.mkfifo(tmp_path / "data.parquet")
+    for path in (tmp_path / "data.jsonl", tmp_path / "data.parquet", Path("/dev/zero")):
+        for fmt in (None, "contrastors"):
+            _, problems = finishes(lambda: validate_file(path, fmt))
+            assert len(problems) == 1 and "not a regular file" in str(problems[0])
         with pytest.raises(DataError, match="not a regular file"):
             finishes(lambda: load_records(path))
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataError
+from ..files import open_data_file
 from ..jsonl import open_jsonl
 from ..types import Doc, Problem, Record, source_folder
 from . import beir, colpali, contrastors, st, swift
@@ -118,6 +119,8 @@ def read_records(path: str | Path, fmt: str | None = None, split: str = "train"
     path = Path(path)
     if not path.exists():
         raise DataError("not found", path=str(path))
+    if not path.is_dir():  # a FIFO or a device is refused before any reader opens it
+        open_data_file(path).close()
     fmt = fmt or detect_format(path)
     if fmt not in _TABLE:
         raise _unknown(fmt)
