@@ -70,6 +70,8 @@ _HELP = {
                            "gradcache (chunked, cached)",
     "doc_negatives": "query-side-tune: batch (the batch's documents) or corpus (every document, "
                      "embedded once)",
+    "data_root": "refuse files named by the data (chunk_path, image paths) that resolve "
+                 "outside this folder (default: any file you can read)",
 }
 
 
@@ -130,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default: detected")
     va.add_argument("--split", default="train", help="qrels split of BEIR directories, split "
                     "of a datasets DatasetDict folder")
+    va.add_argument("--data-root", default=None, help=_HELP["data_root"])
 
     co = sub.add_parser("convert", help="convert between contrastors, ms-swift, "
                         "sentence-transformers and BEIR formats; read colpali-engine / "
@@ -149,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="system message of swift queries")
     co.add_argument("--doc-instruction", default=SWIFT_DOC_INSTRUCTION,
                     help="system message of swift documents")
+    co.add_argument("--data-root", default=None, help=_HELP["data_root"])
 
     mi = sub.add_parser("mine", help="mine hard negatives with faiss, filtering false negatives")
     mi.add_argument("--model", required=True, help="model folder (base, final/, checkpoint)")
@@ -173,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model folder (base, final/, checkpoint); repeat to compare")
     ev.add_argument("--data", required=True, help="BEIR directory")
     ev.add_argument("--split", default="test")
-    ev.add_argument("--unseen-from", default="train", help="also report queries whose "
-                    "relevant documents are not in this split's qrels ('' to skip)")
+    ev.add_argument("--unseen-from", default=None, help="also report queries whose "
+                    "relevant documents are not in this split's qrels ('' to skip; default: "
+                    "train, when the data has qrels/train.tsv)")
     ev.add_argument("--output", default=None, help="write the results as JSON here")
     _add_encoder_flags(ev)
 
@@ -262,18 +267,22 @@ def _encoder_overrides(args: argparse.Namespace) -> dict:
 def _eval(args: argparse.Namespace) -> int:
     import json
 
+    from .data.beir import require_split
     from .encoders import load_encoder
     from .evaluate import evaluate_beir
 
     if args.output and not Path(args.output).parent.is_dir():
         raise ConfigError(f"--output: the folder {Path(args.output).parent} does not exist "
                           f"(checked before evaluating, so no evaluation is lost)")
+    if args.unseen_from:  # a split named on purpose must exist (the default's may not)
+        require_split(args.data, args.unseen_from, "--unseen-from")
+    unseen_from = "train" if args.unseen_from is None else args.unseen_from or None
     device = _device(args.device)
     results = []
     for path in args.model:
         encoder = load_encoder(path, **_encoder_overrides(args)).to(device)
         metrics = evaluate_beir(encoder, args.data, args.split, batch_size=args.batch_size,
-                                device=device, unseen_from=args.unseen_from or None,
+                                device=device, unseen_from=unseen_from,
                                 cache_dir=_cache_dir(args))
         results.append({"model": str(path), "data": str(args.data), "split": args.split,
                         "metrics": metrics})
@@ -290,7 +299,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     total_records, total_problems = 0, 0
     for path in args.files:
-        n, problems = validate_file(path, args.format, args.split)
+        n, problems = validate_file(path, args.format, args.split, args.data_root)
         total_records += n
         total_problems += len(problems)
         for p in problems:
@@ -303,6 +312,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from .data.formats import detect_format, read_records, write_records
+    from .data.records import paths_outside
 
     src_format = args.src_format
     if src_format is None and Path(args.input).exists():
@@ -312,6 +322,7 @@ def _convert(args: argparse.Namespace) -> int:
     if args.dst_format is None:
         raise ConfigError("convert needs --to (one of " + ", ".join(FORMATS) + ")")
     records, problems = read_records(args.input, args.src_format, args.split)
+    problems += paths_outside(records, args.data_root)
     if problems:
         for p in problems[:20]:
             print(p, file=sys.stderr)

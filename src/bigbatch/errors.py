@@ -58,6 +58,7 @@ class DataError(BigBatchError, ValueError):
         if field is not None:
             where.append(f"field {field!r}")
         super().__init__(f"{', '.join(where)}: {message}" if where else message)
+        self.message = message  # without the file, line and field
         self.path = path
         self.line = line
         self.field = field

@@ -184,7 +184,7 @@ def evaluate_beir(encoder: Any, root: str | Path, split: str = "test", batch_siz
     split's queries with ``encoder`` (a :class:`bigbatch.encoders.TextEncoder`) and return the
     metrics; with ``unseen_from``, the same metrics on the queries whose relevant documents
     are not in that split's qrels are added with the prefix ``unseen/``."""
-    from .data.beir import load_qrels, load_queries
+    from .data.beir import check_corpus_ids, load_qrels, load_queries
     from .data.corpus import embed_corpus
 
     root = Path(root)
@@ -192,6 +192,7 @@ def evaluate_beir(encoder: Any, root: str | Path, split: str = "test", batch_siz
     queries = load_queries(root / "queries.jsonl", set(qrels))
     doc_ids, doc_emb = embed_corpus(encoder, root / "corpus.jsonl", batch_size=batch_size,
                                     device=device, cache_dir=cache_dir, progress=progress)
+    check_corpus_ids(doc_ids, root / "corpus.jsonl")  # a repeated id: recall above 1
     _check_qrels_in_corpus(qrels, set(doc_ids), split, root / "corpus.jsonl")
     query_ids = list(queries)
     query_emb = encoder.encode([queries[q] for q in query_ids], side="query",

@@ -32,7 +32,7 @@ from typing import Any
 
 from .._progress import progress_bar
 from ..errors import DataError
-from .formats import write_records
+from .formats import check_output, write_records
 from .formats.colpali import (NEGATIVE_COLUMNS, POSITIVE_COLUMNS, QUERY_COLUMN, colpali_columns,
                               convert_command, is_colpali)
 from .tables import count_table_rows, table_rows
@@ -166,6 +166,7 @@ def convert_colpali(path: str | Path, out: str | Path, fmt: str = "contrastors",
     if fmt not in ("contrastors", "swift"):
         raise DataError(f"colpali data has page images; write it as contrastors or swift, "
                         f"not {fmt}")
+    check_output(out, fmt)  # before any image is written
     qcol, pcol, ncols = cols["query"][0], cols["positive"][0], cols["negatives"]
     folder = out.parent / f"{out.stem}_images"
     images = _ImageWriter(folder, path)

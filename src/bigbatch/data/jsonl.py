@@ -1,4 +1,7 @@
-"""Reading JSONL files line by line with the line number, for every reader in bigbatch.data."""
+"""Reading JSONL files line by line with the line number, for every reader in bigbatch.data:
+each line's object or what is wrong with it (:func:`iter_jsonl`), the good lines with the
+bad ones as problems (:func:`jsonl_rows`), and the one rule for a text field
+(:func:`text_field`)."""
 
 from __future__ import annotations
 
@@ -6,9 +9,12 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-__all__ = ["iter_jsonl", "LineProblem"]
+from .files import open_data_file
+from .types import Problem
+
+__all__ = ["iter_jsonl", "open_jsonl", "LineProblem", "jsonl_rows", "text_field"]
 
 # a JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way one gets into a string,
 # since the file itself is decoded as strict UTF-8
@@ -46,12 +52,24 @@ def _not_unicode(value: Any, name: str = "") -> tuple[str, str] | None:
     return None
 
 
+def open_jsonl(path: str | Path) -> IO[str]:
+    """A JSONL file opened for reading: a regular file (else a DataError naming it), decoded
+    as UTF-8 with undecodable bytes kept as surrogate escapes (for the reader to report)."""
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first record
+    return open_data_file(path, encoding="utf-8-sig", errors="surrogateescape")
+
+
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, LineProblem | None]]:
     """Yield ``(line number, object, None)`` for each non-empty line holding a JSON object, and
     ``(line number, None, problem)`` for one that does not (malformed JSON, not a JSON
-    object, not UTF-8, or text that is not valid Unicode); the caller raises or collects."""
-    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first record
-    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
+    object, not UTF-8, or text that is not valid Unicode); the caller raises or collects.
+    Malformed JSON is named with its column (the line is the line number).
+
+    Raises:
+        DataError: naming the file, when it cannot be opened or is not a regular file (a
+            FIFO, a device: :func:`~bigbatch.data.files.open_regular`).
+    """
+    with open_jsonl(path) as f:
         for n, line in enumerate(f, 1):
             if line.startswith("\ufeff"):  # files concatenated with their marks
                 line = line[1:]
@@ -67,7 +85,7 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, L
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                yield n, None, LineProblem(f"malformed JSON ({e.msg})")
+                yield n, None, LineProblem(f"malformed JSON at column {e.colno} ({e.msg})")
                 continue
             if not isinstance(rec, dict):
                 yield n, None, LineProblem("expected a JSON object")
@@ -80,3 +98,27 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, L
                         f"Unicode text; fix or remove it", field=found[0] or None)
                     continue
             yield n, rec, None
+
+
+def jsonl_rows(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each good line of a JSONL file; a bad line is a problem."""
+    for n, rec, problem in iter_jsonl(path):
+        if problem is not None:
+            problems.append(Problem(str(path), n, problem.field, str(problem)))
+        else:
+            yield n, rec
+
+
+def text_field(rec: dict, key: str, where: tuple[str, int], problems: list[Problem],
+               required: bool = True) -> str | None:
+    """``rec[key]`` when it is non-empty text; else None, and a problem at ``where`` (file,
+    line) unless the key is absent and not ``required``."""
+    v = rec.get(key)
+    if v is None:
+        if required:
+            problems.append(Problem(where[0], where[1], key, "missing"))
+        return None
+    if not isinstance(v, str) or not v.strip():
+        problems.append(Problem(where[0], where[1], key, "must be non-empty text"))
+        return None
+    return v

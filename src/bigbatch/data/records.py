@@ -17,31 +17,63 @@ from pathlib import Path
 
 from ..errors import ConfigError, DataError
 from .beir import beir_training_records
-from .formats import detect_format, instruction_problems, read_records
+from .files import MAX_TEXT_FILE_BYTES, outside_root, read_limited
+from .formats import detect_format, format_of, instruction_problems, read_records
 from .images import check_image
 from .types import (IMAGE_SUFFIXES, Doc, ImageDoc, Problem, Record, TrainRecord, problem_lines,
                     source_folder)
 
 # TrainRecord is defined in bigbatch.data.types and stays importable from here
 __all__ = ["TrainRecord", "load_jsonl_records", "load_records", "resolve_doc", "resolve_record",
-           "check_instructions"]
+           "check_instructions", "document_file", "paths_outside"]
 
 
 _IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"BM", b"II*\x00", b"MM\x00*")
 
 
+def document_file(doc: Doc, base: Path) -> Path | None:
+    """The file a document names (its image or text file; relative paths against ``base``,
+    ``~`` as the home folder, as ms-swift), or None for a text document."""
+    if doc.image is None and doc.path is None:
+        return None
+    ref = os.path.expanduser(doc.image or doc.path or "")  # "~/pages/p1.png", as ms-swift
+    return Path(ref) if Path(ref).is_absolute() else base / ref
+
+
+def paths_outside(records: list[Record], data_root: str | Path | None) -> list[Problem]:
+    """A problem for each document file of ``records`` that resolves outside ``data_root``
+    (none without a data root: :func:`~bigbatch.data.files.outside_root`)."""
+    problems = []
+    for r in records if data_root else []:
+        base = source_folder(r) or Path(".")
+        for i, d in enumerate((r.positive, *r.negatives)):
+            full = document_file(d, base)
+            why = None if full is None else outside_root(full, data_root)
+            if why is not None:
+                field = d.key or ("positive" if i == 0 else f"negatives[{i - 1}]")
+                problems.append(Problem(r.source, r.line, field, why))
+    return problems
+
+
 def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: list[Problem],
-                field: str | None = None) -> str | ImageDoc | None:
-    """A parsed document as training input: its text, the text of its file (UTF-8), or an
-    :class:`ImageDoc` for a readable image (relative paths resolve against ``base``).
-    Otherwise None, and a problem naming ``path:line`` and the document's field (its source
-    key, else ``field``) is added to ``problems``. ``bigbatch validate`` and the training
-    loader both check documents with this function."""
+                field: str | None = None,
+                data_root: str | Path | None = None) -> str | ImageDoc | None:
+    """A parsed document as training input: its text, the text of its file (UTF-8, a regular
+    file of at most :data:`~bigbatch.data.files.MAX_TEXT_FILE_BYTES`), or an
+    :class:`ImageDoc` for a readable image (relative paths resolve against ``base``; with
+    ``data_root``, a file outside that folder is refused). Otherwise None, and a problem
+    naming ``path:line`` and the document's field (its source key, else ``field``) is added
+    to ``problems``. ``bigbatch validate`` and the training loader both check documents with
+    this function."""
     field = doc.key or field
     if doc.image is None and doc.text is not None:
         return doc.text
-    ref = os.path.expanduser(doc.image or doc.path or "")  # "~/pages/p1.png", as ms-swift
-    full = Path(ref) if Path(ref).is_absolute() else base / ref
+    full = document_file(doc, base) or base
+    ref = os.path.expanduser(doc.image or doc.path or "")
+    why = outside_root(full, data_root)
+    if why is not None:
+        problems.append(Problem(str(path), line, field, why))
+        return None
     if doc.image is not None:
         why = check_image(full)
         if why is not None:
@@ -50,7 +82,7 @@ def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: lis
         return ImageDoc(str(full.resolve()), doc.text or "")
     at = "" if Path(ref).is_absolute() else f" (at {str(full)!r})"
     try:
-        data = full.read_bytes()
+        data = read_limited(full, MAX_TEXT_FILE_BYTES)
     except OSError as e:
         problems.append(Problem(str(path), line, field,
                                 f"cannot read {ref!r}{at}: {e.strerror or e}"))
@@ -84,22 +116,23 @@ def _path_hint(ref: str, full: Path, base: Path) -> str:
     return ""
 
 
-def resolve_record(r: Record, problems: list[Problem]
+def resolve_record(r: Record, problems: list[Problem], data_root: str | Path | None = None
                    ) -> tuple[str | ImageDoc | None, list[str | ImageDoc]]:
     """(positive, negatives) of a parsed record as training input. A document that cannot be
-    used (the positive as None, a negative left out) is reported in ``problems``, as is a
-    negative that is the positive itself (compared as training compares them: resolved
-    image paths, file contents and texts), and whatever the reader found in the record that
-    it cannot hold (``r.lost``). The record is usable when nothing was reported."""
+    used (the positive as None, a negative left out; a file outside ``data_root`` when
+    given) is reported in ``problems``, as is a negative that is the positive itself
+    (compared as training compares them: resolved image paths, file contents and texts), and
+    whatever the reader found in the record that it cannot hold (``r.lost``). The record is
+    usable when nothing was reported."""
     for field, why in r.lost:
         problems.append(Problem(r.source, r.line, field, f"{why} cannot be represented; "
                                 f"`bigbatch convert --allow-lossy` drops such records"))
     base = source_folder(r) or Path(".")
-    positive = resolve_doc(r.positive, base, r.source, r.line, problems, "positive")
+    positive = resolve_doc(r.positive, base, r.source, r.line, problems, "positive", data_root)
     negatives: list[str | ImageDoc] = []
     for i, d in enumerate(r.negatives):
         field = d.key or f"negatives[{i}]"
-        neg = resolve_doc(d, base, r.source, r.line, problems, field)
+        neg = resolve_doc(d, base, r.source, r.line, problems, field, data_root)
         if neg is not None and neg == positive:
             problems.append(Problem(r.source, r.line, field, "a negative equals the positive"))
         elif neg is not None:
@@ -107,20 +140,12 @@ def resolve_record(r: Record, problems: list[Problem]
     return positive, negatives
 
 
-def _file_format(path: Path) -> str:
-    """The format of a training file (:func:`~bigbatch.data.formats.detect_format`); the seed's
-    ``contrastors`` keys when the first line cannot tell (its problems are reported then)."""
-    try:
-        return detect_format(path)
-    except DataError:
-        return "contrastors"
-
-
-def load_jsonl_records(path: str | Path, split: str = "train") -> list[TrainRecord]:
+def load_jsonl_records(path: str | Path, split: str = "train",
+                       data_root: str | Path | None = None) -> list[TrainRecord]:
     """Load and validate a file of training records in any file format of
     :mod:`bigbatch.data.formats` (the seed's ``contrastors`` JSONL, ms-swift's ``swift``
     JSONL, sentence-transformers ``st`` JSONL or Parquet; detected from the file), then read
-    or check each document file.
+    or check each document file (only inside ``data_root``, when given).
 
     Raises:
         DataError: listing every problem (up to 20 shown, with the total) by file, line, field.
@@ -128,11 +153,11 @@ def load_jsonl_records(path: str | Path, split: str = "train") -> list[TrainReco
     path = Path(path)
     if not path.exists():
         raise DataError("training data file not found", path=str(path))
-    parsed, problems = read_records(path, _file_format(path), split)
+    parsed, problems = read_records(path, format_of(path), split)
     problems.extend(instruction_problems(parsed))
     records: list[TrainRecord] = []
     for r in parsed:
-        positive, negatives = resolve_record(r, problems)
+        positive, negatives = resolve_record(r, problems, data_root)
         if positive is None or len(negatives) < len(r.negatives) or r.lost:
             continue
         positive_id = r.positive.id or ""  # else its content key (TrainRecord decides)
@@ -149,21 +174,23 @@ def load_jsonl_records(path: str | Path, split: str = "train") -> list[TrainReco
     return records
 
 
-def load_records(source: str | Path, split: str = "train", num_hard_negatives: int = 0) -> list[TrainRecord]:
-    """Training records from a JSONL file or a BEIR directory, checked for ``k`` negatives.
+def load_records(source: str | Path, split: str = "train", num_hard_negatives: int = 0,
+                 data_root: str | Path | None = None) -> list[TrainRecord]:
+    """Training records from a JSONL file or a BEIR directory, checked for ``k`` negatives;
+    with ``data_root``, every file the data names must resolve inside that folder.
 
     Raises:
         DataError: bad records, or fewer than ``num_hard_negatives`` negatives on a record.
     """
     source = Path(source)
     if source.is_dir() and detect_format(source) == "beir":
-        records = beir_training_records(source, split)
+        records = beir_training_records(source, split, data_root)
         if num_hard_negatives > 0:
             raise DataError(f"BEIR directory {source} has no hard negatives, but "
                             f"--num-hard-negatives is {num_hard_negatives}; mine negatives into "
                             f"a JSONL file first, or use 0")
         return records
-    records = load_jsonl_records(source, split)
+    records = load_jsonl_records(source, split, data_root)
     if num_hard_negatives > 0:
         short = [r for r in records if len(r.negatives) < num_hard_negatives]
         if short:

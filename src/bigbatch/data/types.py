@@ -73,6 +73,11 @@ class Record:
     # the query's system prompt (swift): None where the format has none, "" for a swift
     # conversation without a system message
     query_system: str | None = None
+    # negatives the source gives that could not be read (each reported as a problem): the
+    # record has len(negatives) + unread_negatives negatives as written
+    unread_negatives: int = field(default=0, compare=False)
+    # the key the query was read from ('query', 'messages', an st column), for messages
+    query_key: str = field(default="query", compare=False)
 
 
 def source_folder(r: Record) -> Path | None:

@@ -81,6 +81,7 @@ class TrainConfig:
     device: str | None = None
     log_steps: int = 1
     dist_timeout: float = 1800.0
+    data_root: str | None = None  # files the data names must resolve inside this folder
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def validate(self) -> "TrainConfig":
@@ -289,7 +290,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return TrainConfig(**values).validate()
 
 
-_PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume")
+_PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume", "data_root")
 
 
 # what a sentence-transformers model folder says about how it embeds

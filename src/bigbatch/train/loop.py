@@ -107,7 +107,7 @@ class Trainer:
             recover_output_dir(self.out)  # what a kill inside atomic_dir left, before any read
         barrier(info)
         self.records = load_records(config.train_data, config.train_split,
-                                    config.num_hard_negatives)
+                                    config.num_hard_negatives, config.data_root)
         if config.eval_data:  # a bad evaluation set stops the run now, not after training
             check_beir_split(config.eval_data, config.eval_split, config.best_metric)
         if config.grad_cache_chunk > config.batch_size:

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataError
+from ..files import open_data_file
+from ..jsonl import open_jsonl
 from ..types import Doc, Problem, Record, source_folder
 from . import beir, colpali, contrastors, st, swift
 from .common import Format, WriteOptions
@@ -40,8 +42,9 @@ from .instructions import instruction_problems, record_systems, system_prompts
 from .swift import SWIFT_DOC_INSTRUCTION, SWIFT_QUERY_INSTRUCTION
 
 __all__ = ["Doc", "Record", "Problem", "Format", "FORMATS", "READ_ONLY_FORMATS", "read_records",
-           "write_records", "detect_format", "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION",
-           "instruction_problems", "system_prompts"]
+           "write_records", "detect_format", "format_of", "check_output",
+           "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION", "instruction_problems",
+           "system_prompts"]
 
 # every format by name: those written, then those read only by conversion
 _TABLE: dict[str, Format] = {f.name: f for f in (contrastors.FORMAT, swift.FORMAT, st.FORMAT,
@@ -54,36 +57,54 @@ READ_ONLY_FORMATS = tuple(name for name, f in _TABLE.items() if f.write is None)
 _DETECTION_ORDER = ("colpali", "beir", "swift", "st", "contrastors")
 
 
-def _first_keys(path: Path) -> set | None:
-    """The keys of a JSONL file's first record; None when its first line is not JSON."""
-    # bad bytes are left to the reader to report
-    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
-        for line in f:
+def _first_keys(path: Path) -> tuple[set | None, int | None, str]:
+    """(the keys of a JSONL file's first record, or None; the line it is on; why it holds
+    none: "" for an empty file, else what is wrong with that line)."""
+    with open_jsonl(path) as f:  # bad bytes are left to the reader to report
+        for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    return set(json.loads(line))
-                except (json.JSONDecodeError, TypeError):
-                    return None
-    return None
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    return None, n, f"malformed JSON at column {e.colno} ({e.msg})"
+                if not isinstance(rec, dict):
+                    return None, n, "expected a JSON object"
+                return set(rec), n, ""
+    return None, None, ""
 
 
 def detect_format(path: str | Path) -> str:
     """Guess the format from a directory (a Hugging Face ``datasets`` folder is st, any other
     BEIR), a .parquet or .csv file (st) or the first record's keys. Parquet or a ``datasets``
     folder with colpali-engine's columns (a ``query`` and a page-image column) is
-    ``colpali``, which is only read by conversion (:mod:`bigbatch.data.colpali`)."""
+    ``colpali``, which is only read by conversion (:mod:`bigbatch.data.colpali`).
+
+    Raises:
+        DataError: an empty file, or a first record that is not a JSON object (naming its
+            line and column), or a file that cannot be read.
+    """
     path = Path(path)
     formats = [_TABLE[name] for name in _DETECTION_ORDER]
     for f in formats:
         if f.detect_path is not None and f.detect_path(path):
             return f.name
-    keys = _first_keys(path)
+    keys, line, why = _first_keys(path)
     if keys is not None:
         for f in formats:
             if f.detect_keys is not None and f.detect_keys(keys):
                 return f.name
-    raise DataError("cannot tell the format (empty or malformed first line); pass --format",
-                    path=str(path))
+    raise DataError(f"cannot tell the format: {why or 'the file is empty'}; "
+                    f"{'fix the line or ' if why else ''}pass --format", path=str(path), line=line)
+
+
+def format_of(path: str | Path) -> str:
+    """The format of a training file (:func:`detect_format`); the seed's ``contrastors``
+    keys when the first line cannot tell (its reader then reports what is wrong, with every
+    other problem of the file). Training and ``bigbatch validate`` read files this way."""
+    try:
+        return detect_format(path)
+    except DataError:
+        return "contrastors"
 
 
 def _unknown(fmt: str) -> DataError:
@@ -92,16 +113,49 @@ def _unknown(fmt: str) -> DataError:
 
 def read_records(path: str | Path, fmt: str | None = None, split: str = "train"
                  ) -> tuple[list[Record], list[Problem]]:
-    """Records of ``path`` in format ``fmt`` (detected when None) and the problems found."""
+    """Records of ``path`` in format ``fmt`` (detected when None) and the problems found. A
+    source without a single record, and nothing else wrong with it (an empty file), is a
+    problem too: there is nothing to train on or convert."""
     path = Path(path)
     if not path.exists():
         raise DataError("not found", path=str(path))
+    if not path.is_dir():  # a FIFO or a device is refused before any reader opens it
+        open_data_file(path).close()
     fmt = fmt or detect_format(path)
     if fmt not in _TABLE:
         raise _unknown(fmt)
     problems: list[Problem] = []
     records = _TABLE[fmt].read(path, problems, split)
+    if not records and not problems:
+        problems.append(Problem(str(path), None, None, f"no records (read as {fmt}): nothing "
+                                f"to train on; give a file with at least one record"))
     return records, problems
+
+
+def check_output(out: str | Path, fmt: str) -> None:
+    """Refuse an output path whose suffix does not name what format ``fmt`` writes there (a
+    ``.xlsx`` file of JSONL, a ``.parquet`` file of swift): checked before anything is
+    written.
+
+    Raises:
+        DataError: naming the suffixes ``fmt`` writes.
+    """
+    f = _TABLE.get(fmt)
+    if f is None or f.write is None:
+        raise _unknown(fmt)
+    out = Path(out)
+    if f.writes_folder:
+        if out.is_file():
+            raise DataError(f"{fmt} writes a folder, and this is a file; give a folder path",
+                            path=str(out))
+        return
+    if out.suffix.lower() not in f.suffixes:
+        raise DataError(f"{fmt} is written as {' or '.join(f.suffixes)}, not "
+                        f"{out.suffix or 'a name without a suffix'}; name the output "
+                        f"{out.stem}{f.suffixes[0]}" +
+                        (f" (or convert --to st for {out.suffix})"
+                         if fmt != "st" and out.suffix.lower() in _TABLE["st"].suffixes else ""),
+                        path=str(out))
 
 
 def _lossy(records: list[Record], f: Format) -> list[tuple[Record, str]]:
@@ -137,14 +191,14 @@ def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_los
                   query_instruction: str = SWIFT_QUERY_INSTRUCTION,
                   doc_instruction: str = SWIFT_DOC_INSTRUCTION,
                   split: str = "train") -> dict[str, Any]:
-    """Write ``records`` as ``fmt``; returns a report. What ``fmt`` cannot hold raises
+    """Write ``records`` as ``fmt``; returns a report. An output suffix ``fmt`` does not write
+    is refused (:func:`check_output`). What ``fmt`` cannot hold raises
     :class:`DataError` listing the records, unless ``allow_lossy`` (then it is dropped and
     counted in the report). Relative image and text-file paths are rebased from each
     record's source folder to the output's folder, so they name the same files."""
     out = Path(out)
-    f = _TABLE.get(fmt)
-    if f is None or f.write is None:
-        raise _unknown(fmt)
+    check_output(out, fmt)
+    f = _TABLE[fmt]
     lossy = _lossy(records, f)
     if lossy and not allow_lossy:
         shown = "\n  ".join(f"{r.source}:{r.line}: {why}" for r, why in lossy[:10])

@@ -21,8 +21,9 @@ __all__ = ["FORMAT"]
 
 
 def read(path: Path, problems: list[Problem], split: str = "train") -> list[Record]:
-    """The (query, positive) pairs of ``split`` (:func:`~bigbatch.data.beir.read_beir`)."""
-    return read_beir(path, split)
+    """The (query, positive) pairs of ``split`` (:func:`~bigbatch.data.beir.read_beir`), its
+    problems added to ``problems``."""
+    return read_beir(path, split, problems)
 
 
 def cannot_hold(r: Record) -> str | None:

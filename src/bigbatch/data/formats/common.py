@@ -1,19 +1,22 @@
 """What every file format module shares: the :class:`Format` entry each one registers, the
-options writers take, and the pieces several readers and writers use (JSONL lines with
-their problems, text fields, record ids)."""
+options writers take, and the pieces several readers and writers use (record ids, JSONL
+writing; JSONL lines with their problems and text fields come from
+:mod:`bigbatch.data.jsonl`)."""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..jsonl import iter_jsonl
+from ..jsonl import jsonl_rows, text_field
 from ..types import Doc, Problem, Record
 
+# jsonl_rows and text_field are defined in bigbatch.data.jsonl (the BEIR reader shares them)
+# and stay importable from here
 __all__ = ["Format", "WriteOptions", "ID_KEY", "jsonl_rows", "text_field", "with_ids",
            "add_ids", "write_jsonl", "text_only"]
 
@@ -46,7 +49,8 @@ class Format:
     out, options)`` writes records it can hold; None for a format read only by conversion.
     ``cannot_hold(record)`` says why a record cannot be written without loss (None if it
     can). ``instructions``: the format holds each record's system prompts (swift).
-    ``writes_folder``: the output is a folder, which relative paths are rebased against."""
+    ``writes_folder``: the output is a folder, which relative paths are rebased against.
+    ``suffixes``: the file suffixes the writer writes (the first is the usual one)."""
 
     name: str
     read: Callable[[Path, list[Problem], str], list[Record]]
@@ -56,30 +60,7 @@ class Format:
     cannot_hold: Callable[[Record], str | None] = _holds_all
     instructions: bool = False
     writes_folder: bool = False
-
-
-def jsonl_rows(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
-    """(line number, object) of each good line of a JSONL file; a bad line is a problem."""
-    for n, rec, problem in iter_jsonl(path):
-        if problem is not None:
-            problems.append(Problem(str(path), n, problem.field, str(problem)))
-        else:
-            yield n, rec
-
-
-def text_field(rec: dict, key: str, where: tuple[str, int], problems: list[Problem],
-               required: bool = True) -> str | None:
-    """``rec[key]`` when it is non-empty text; else None, and a problem at ``where`` (file,
-    line) unless the key is absent and not ``required``."""
-    v = rec.get(key)
-    if v is None:
-        if required:
-            problems.append(Problem(where[0], where[1], key, "missing"))
-        return None
-    if not isinstance(v, str) or not v.strip():
-        problems.append(Problem(where[0], where[1], key, "must be non-empty text"))
-        return None
-    return v
+    suffixes: tuple[str, ...] = (".jsonl",)
 
 
 def with_ids(rec: dict, pos: Doc, negs: list[Doc]) -> tuple[Doc, list[Doc]]:

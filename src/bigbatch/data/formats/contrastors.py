@@ -51,6 +51,7 @@ def read(path: Path, problems: list[Problem], split: str = "train") -> list[Reco
                                     "'positive' text or 'chunk_path'"))
             pos = None
         negs: list[Doc] = []
+        unread = 0
         for key, as_path in (("neg_chunk_paths", True), ("negatives", False)):
             if key not in rec:
                 continue
@@ -61,6 +62,8 @@ def read(path: Path, problems: list[Problem], split: str = "train") -> list[Reco
                 d = _doc(v, f"{key}[{i}]", w, problems, as_path)
                 if d is not None:
                     negs.append(d)
+                else:
+                    unread += 1
         for key in rec:
             if key not in CONTRASTORS_KEYS and _DATA_LIKE.search(key) \
                     and not ID_KEY.search(key):
@@ -72,7 +75,8 @@ def read(path: Path, problems: list[Problem], split: str = "train") -> list[Reco
         if q is not None and pos is not None:
             qid = rec.get("query_id")
             pos, negs = with_ids(rec, pos, negs)
-            out.append(Record(q, pos, negs, None if qid is None else str(qid), n, str(path)))
+            out.append(Record(q, pos, negs, None if qid is None else str(qid), n, str(path),
+                              unread_negatives=unread))
     return out
 
 

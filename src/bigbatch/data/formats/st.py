@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ...errors import DataError
+from ..files import open_data_file
 from ..tables import is_hf_dataset, table_rows
 from ..types import Doc, Problem, Record
 from .colpali import is_colpali, not_converted_problem
@@ -48,7 +49,7 @@ def detect_keys(keys: set) -> bool:
 
 def _csv_rows(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
     """Rows of a CSV file with a header (the line number of the row's first line)."""
-    with open(path, encoding="utf-8-sig", newline="") as f:
+    with open_data_file(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f)
         try:
             reader.fieldnames  # reads the header
@@ -102,8 +103,10 @@ def read(path: Path, problems: list[Problem], split: str = "train") -> list[Reco
                     problems.append(Problem(str(path), n, k, "not read: sentence-transformers "
                                             "columns are anchor, positive, negative_1..k"))
         elif len(cols) < 2:
-            problems.append(Problem(str(path), n, "anchor", "needs an anchor and a positive "
-                                    "column"))
+            problems.append(Problem(str(path), n, None, f"{_columns(cols)} read by position "
+                                    f"(no 'anchor' column): needs a first column (the anchor) "
+                                    f"and a second (the positive), or columns named anchor, "
+                                    f"positive, negative_1..k"))
             continue
         else:
             for k in [k for k in cols if ID_KEY.search(k)]:
@@ -123,9 +126,17 @@ def read(path: Path, problems: list[Problem], split: str = "train") -> list[Reco
             if t is not None:
                 negs.append(Doc(text=t, key=key))
         if q is not None and p is not None:
-            pkey = "positive" if "anchor" in rec else cols[1]
-            out.append(Record(q, Doc(text=p, key=pkey), negs, None, n, str(path), lost))
+            qkey, pkey = ("anchor", "positive") if "anchor" in rec else (cols[0], cols[1])
+            out.append(Record(q, Doc(text=p, key=pkey), negs, None, n, str(path), lost,
+                              unread_negatives=len(neg_keys) - len(negs), query_key=qkey))
     return out
+
+
+def _columns(cols: list[str]) -> str:
+    """The columns of a row as a message names them."""
+    if not cols:
+        return "no column"
+    return f"{'one column' if len(cols) == 1 else 'columns'} {', '.join(map(repr, cols))}"
 
 
 def _write_parquet(records: list[Record], out: Path) -> None:
@@ -164,7 +175,7 @@ def write(records: list[Record], out: Path, options: WriteOptions) -> None:
     Raises:
         DataError: Parquet or CSV, and records with different numbers of negatives.
     """
-    if out.suffix == ".parquet":
+    if out.suffix.lower() == ".parquet":
         _write_parquet(records, out)
     elif out.suffix.lower() == ".csv":
         _write_csv(records, out)
@@ -175,4 +186,5 @@ def write(records: list[Record], out: Path, options: WriteOptions) -> None:
 
 
 FORMAT = Format("st", read, detect_path=detect_path, detect_keys=detect_keys, write=write,
-                cannot_hold=lambda r: text_only("st", r))
+                cannot_hold=lambda r: text_only("st", r),
+                suffixes=(".jsonl", ".parquet", ".csv"))

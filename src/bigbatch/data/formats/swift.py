@@ -153,11 +153,13 @@ def read(path: Path, problems: list[Problem], split: str = "train") -> list[Reco
                 d = _doc(c, im, f"negative_messages[{i}]", w, problems, lost)
                 if d is not None:
                     negs.append(d)
+        unread = len(neg_convs) - len(negs) if isinstance(neg_convs, list) else 0
         if query is not None and pos is not None:
             pos, negs = with_ids(rec, pos, negs)
             qid = rec.get("query_id")
             out.append(Record(query, pos, negs, None if qid is None else str(qid), n, str(path),
-                              lost, query_system))
+                              lost, query_system, unread_negatives=unread,
+                              query_key="messages"))
     return out
 
 
