@@ -107,7 +107,7 @@ def test_a_file_that_is_not_utf8_is_reported_per_line(tmp_path):
 
 
 def test_a_huge_page_is_a_data_error_when_embedded(tmp_path):
-    from bigbatch.data.images import load_image
+    from bigbatch.encoders.images import load_image  # where pages are opened to embed
 
     png(tmp_path / "huge.png", 14000, 14000)
     with pytest.raises(DataError, match="huge.png: image too large to open safely"):

@@ -1,7 +1,7 @@
 """Image documents (:class:`~bigbatch.data.types.ImageDoc`, a reference to a page image on
 disk, opened only when its chunk is embedded): a cheap up-front check that every image
 referenced by the data can be read and will be accepted by the vision-language image
-processors, and loading one.
+processors (the encoders open them: :mod:`bigbatch.encoders.images`).
 
 What the image processors of the vision-language towers bigbatch trains (Qwen2-VL,
 Qwen2.5-VL, Qwen3-VL) accept, from transformers' ``smart_resize``
@@ -18,14 +18,12 @@ PIL is imported lazily (it comes with the ``vision`` extra and with matplotlib).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from ..errors import DataError
 from .files import MAX_IMAGE_BYTES, open_regular
 from .types import ImageDoc, doc_key
 
 # ImageDoc and doc_key are defined in bigbatch.data.types and stay importable from here
-__all__ = ["ImageDoc", "doc_key", "check_image", "load_image", "MAX_ASPECT_RATIO"]
+__all__ = ["ImageDoc", "doc_key", "check_image", "MAX_ASPECT_RATIO"]
 
 # the longest side over the shortest that Qwen2-VL / 2.5-VL / 3-VL's smart_resize accepts
 MAX_ASPECT_RATIO = 200
@@ -62,22 +60,3 @@ def check_image(path: str | Path) -> str | None:
                 f"{MAX_ASPECT_RATIO}:1 (transformers' smart_resize), which would stop training "
                 f"at the step that embeds it: crop, pad or split the image")
     return None
-
-
-def load_image(path: str | Path) -> Any:
-    """The image at ``path`` as an RGB ``PIL.Image``.
-
-    Raises:
-        DataError: naming the file, when it is missing, not an image, or over Pillow's
-            decompression-bomb limit.
-    """
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            return im.convert("RGB")
-    except Image.DecompressionBombError as e:
-        raise DataError(f"image too large to open safely ({e}); shrink it",
-                        path=str(path)) from e
-    except (OSError, UnidentifiedImageError, ValueError) as e:
-        raise DataError(f"cannot read image: {e}", path=str(path)) from e
