@@ -310,6 +310,22 @@ def test_ctrl_c_says_where_the_run_stopped_and_how_to_continue(assets, tmp_path,
     assert printed.strip().splitlines()[-1].startswith("done: 4 steps in ")
 
 
+@pytest.mark.parametrize("command", ["eval", "mine"])
+def test_ctrl_c_in_eval_or_mine_prints_one_line_and_writes_nothing(assets, tmp_path, capsys,
+                                                                   monkeypatch, command):
+    import bigbatch.encoders
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bigbatch.encoders, "load_encoder", interrupted)
+    out = tmp_path / "out.jsonl"
+    assert main([command, "--model", str(assets[0]), "--data", str(assets[1]),
+                 "--output", str(out)]) == 130
+    assert capsys.readouterr().err.strip() == f"bigbatch {command}: stopped (Ctrl-C)"
+    assert not list(tmp_path.iterdir())
+
+
 # ---------------------------------------------------------------- configuration
 @pytest.mark.parametrize("flag,value", [("--lr", "inf"), ("--temperature", "nan"),
                                         ("--max-grad-norm", "inf"), ("--epochs", "inf")])
