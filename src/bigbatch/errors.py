@@ -16,6 +16,7 @@ __all__ = [
     "NonFiniteError",
     "DataError",
     "RankFailedError",
+    "OutputError",
 ]
 
 
@@ -45,6 +46,12 @@ class RankFailedError(BigBatchError, RuntimeError):
     out-of-memory) with an exception that is not a bigbatch error: raised on the ranks that
     did not fail, naming the rank that did and its exception, so that no rank waits in the
     step's next collective until the timeout. The failing rank raises its own exception."""
+
+
+class OutputError(BigBatchError, OSError):
+    """A file or folder bigbatch writes could not be written (a full disk, no permission):
+    the message names it, says how much space is free and what to do; what was there
+    before is left as it was."""
 
 
 class DataError(BigBatchError, ValueError):

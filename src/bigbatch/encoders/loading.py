@@ -113,7 +113,9 @@ def _attach_adapter(enc: Any, path: Path) -> Any:
 
     from peft import PeftModel
 
-    with warnings.catch_warnings(record=True) as caught:
+    from .source import hub_load_errors
+
+    with warnings.catch_warnings(record=True) as caught, hub_load_errors(str(path)):
         warnings.simplefilter("always")
         enc.model = PeftModel.from_pretrained(enc.model, str(path))
     for w in caught:

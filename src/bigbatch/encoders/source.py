@@ -73,7 +73,8 @@ def check_model_source(model: str | os.PathLike, option: str = "--model") -> Non
 def hub_load_errors(name: str) -> Iterator[None]:
     """Turn transformers' OSError for a source it cannot load (a hub name not in the cache
     while offline or with no network, a folder without the files) into a ConfigError
-    naming the source, instead of a traceback."""
+    naming the source, and a weights file safetensors cannot read (damaged, cut short by an
+    interrupted copy) into one naming the file, instead of a traceback."""
     from ..errors import ConfigError
 
     try:
@@ -81,6 +82,16 @@ def hub_load_errors(name: str) -> Iterator[None]:
     except OSError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{name}: transformers could not load it: {first}") from e
+    except Exception as e:
+        if not type(e).__module__.startswith("safetensors"):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        folder = Path(name)
+        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+        where = ", ".join(str(f) for f in files) or name
+        raise ConfigError(f"{where}: not a readable safetensors weights file ({first}); it is "
+                          f"damaged or incomplete (an interrupted copy or save?): copy or save "
+                          f"the model again") from e
 
 
 def load_pretrained(name: str, allowed_missing: tuple[str, ...] = (), **kwargs: Any) -> nn.Module:

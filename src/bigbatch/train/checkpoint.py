@@ -2,27 +2,34 @@
 target, which is renamed into place only when complete, so a kill at any moment leaves the
 previous checkpoint usable. Each holds the model (weights or adapter, in the loadable
 layout of :meth:`TextEncoder.save`), optimizer, scheduler, logit scale, grad scaler, every
-random state (per rank) and the data position.
+random state (per rank), the data position and the id of the run that wrote it
+(``run.json``): the latest checkpoint and the rotation consider the folder's own run only.
+A write that fails (a full disk) raises :class:`~bigbatch.errors.OutputError` naming the
+file and the free space, and leaves the previous checkpoint as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, OutputError
+from .runid import belongs_to, run_id_of, write_run_file
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rotate_checkpoints",
-           "abandon_later_checkpoints", "recover_output_dir", "finished_run", "rng_state",
-           "set_rng_state", "atomic_dir", "fsync_dir"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
+           "rotate_checkpoints", "abandon_later_checkpoints", "recover_output_dir",
+           "finished_run", "rng_state", "set_rng_state", "atomic_dir", "fsync_dir",
+           "write_errors", "free_space"]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -150,23 +157,78 @@ def recover_output_dir(output_dir: str | Path) -> list[str]:
 def save_checkpoint(path: str | Path, *, encoder: Any, loss_fn: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
                     state: dict[str, Any], config: Any, rank_states: list[dict[str, Any]]) -> Path:
-    """Write a checkpoint atomically (call on the main rank, with every rank's RNG state)."""
+    """Write a checkpoint atomically (call on the main rank, with every rank's RNG state).
+
+    Raises:
+        OutputError: a file could not be written (a full disk): the previous checkpoint of
+            that name is left as it was.
+    """
     path = Path(path)
+    hint = f"continue with --resume {path.parent}"
     with atomic_dir(path) as tmp:
-        encoder.save(tmp / "model")
-        torch.save({
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "loss_fn": loss_fn.state_dict(),
-            "trainable": {n: p.detach().cpu() for n, p in encoder.named_parameters()
-                          if p.requires_grad},
-            "state": state,
-        }, tmp / "trainer_state.pt")
+        with write_errors(path / "model", hint):
+            encoder.save(tmp / "model")
+        with write_errors(path / "trainer_state.pt", hint):
+            torch.save({
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "loss_fn": loss_fn.state_dict(),
+                "trainable": {n: p.detach().cpu() for n, p in encoder.named_parameters()
+                              if p.requires_grad},
+                "state": state,
+            }, tmp / "trainer_state.pt")
         for r, s in enumerate(rank_states):
-            torch.save(s, tmp / f"rng_state_rank{r}.pt")
-        config.write(tmp / "config.yaml")
+            with write_errors(path / f"rng_state_rank{r}.pt", hint):
+                torch.save(s, tmp / f"rng_state_rank{r}.pt")
+        with write_errors(path / "config.yaml", hint):
+            config.write(tmp / "config.yaml")
+            if state.get("run_id"):
+                write_run_file(tmp, state["run_id"], step=state.get("step"))
     return path
+
+
+def free_space(path: str | Path) -> str:
+    """The free space on the file system holding ``path`` (or its nearest existing folder),
+    for messages: ``"1.2 GB free on /data"``; empty when it cannot be told."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return ""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if free >= size:
+            return f"{free / size:.1f} {unit} free on {p}"
+    return f"{free} bytes free on {p}"
+
+
+# what torch's and safetensors' writers say when a write stops short (a full disk): the
+# first failure names the write, a later one often only "unexpected pos N vs M"
+_WRITE_FAILURES = ("unexpected pos", "writ", "no space left", "disk quota")
+
+
+@contextlib.contextmanager
+def write_errors(target: str | Path, hint: str) -> Iterator[None]:
+    """Turn a failed write of ``target`` (an OSError, or torch's RuntimeError from a stream
+    that stopped short) into an :class:`OutputError` naming ``target``, the free space and
+    ``hint`` (what to do next)."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except (OSError, RuntimeError) as e:
+        text = str(e).strip().splitlines()[0].strip() if str(e).strip() else type(e).__name__
+        if isinstance(e, RuntimeError) and not any(w in str(e).lower() for w in _WRITE_FAILURES):
+            raise
+        if isinstance(e, OSError) and e.strerror:
+            text = e.strerror
+        space = free_space(target)
+        raise OutputError(f"could not write {target}: {text}"
+                          + (f" ({space})" if space else "")
+                          + f"; is the disk full? Free some space (or lower --save-total-limit), "
+                            f"then {hint}") from e
 
 
 def load_checkpoint(path: str | Path, *, encoder: Any, loss_fn: torch.nn.Module,
@@ -203,23 +265,48 @@ def load_checkpoint(path: str | Path, *, encoder: Any, loss_fn: torch.nn.Module,
     return blob["state"]
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in ``output_dir`` (temporary ones ignored)."""
+def _folder_run(out: Path) -> str | None:
+    """The run ``out`` belongs to: its ``run.json``, else the run of the checkpoint written
+    last (None: a folder from before run ids, where every checkpoint counts)."""
+    own = run_id_of(out)
+    if own is not None:
+        return own
+    found = [p for p in out.glob("checkpoint-*") if _NAME.match(p.name)
+             and (p / "trainer_state.pt").exists()]
+    if not found:
+        return None
+    return run_id_of(max(found, key=lambda p: (p / "trainer_state.pt").stat().st_mtime_ns))
+
+
+def list_checkpoints(output_dir: str | Path, run_id: str | None = None,
+                     complete: bool = True) -> list[tuple[int, Path]]:
+    """``(step, path)`` of each ``checkpoint-N`` in ``output_dir`` written by run ``run_id``
+    (default: the folder's run; see :func:`~bigbatch.train.runid.belongs_to`), by step;
+    ``complete``: only those holding ``trainer_state.pt`` (temporary ones never count)."""
+    out = Path(output_dir)
+    if run_id is None:
+        run_id = _folder_run(out)
     found = []
-    for p in Path(output_dir).glob("checkpoint-*"):
+    for p in out.glob("checkpoint-*"):
         m = _NAME.match(p.name)
-        if m and (p / "trainer_state.pt").exists():
+        if m and (not complete or (p / "trainer_state.pt").exists()) and belongs_to(p, run_id):
             found.append((int(m.group(1)), p))
-    return max(found)[1] if found else None
+    return sorted(found)
 
 
-def rotate_checkpoints(output_dir: str | Path, keep: int) -> None:
-    """Delete all but the ``keep`` newest ``checkpoint-N`` directories (``best/`` is separate)."""
+def latest_checkpoint(output_dir: str | Path, run_id: str | None = None) -> Path | None:
+    """The complete checkpoint with the highest step among those of run ``run_id`` (default:
+    the folder's run) in ``output_dir``; another run's checkpoints never outrank its own."""
+    found = list_checkpoints(output_dir, run_id)
+    return found[-1][1] if found else None
+
+
+def rotate_checkpoints(output_dir: str | Path, keep: int, run_id: str | None = None) -> None:
+    """Delete all but the ``keep`` newest ``checkpoint-N`` directories of run ``run_id``
+    (default: the folder's run); another run's are never deleted (``best/`` is separate)."""
     if keep <= 0:
         return
-    found = sorted((int(m.group(1)), p) for p in Path(output_dir).glob("checkpoint-*")
-                   if (m := _NAME.match(p.name)))
-    for _, p in found[:-keep]:
+    for _, p in list_checkpoints(output_dir, run_id, complete=False)[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
 
 
@@ -289,7 +376,7 @@ def abandon_later_checkpoints(output_dir: str | Path, step: int) -> Path | None:
 
 
 def finished_run(output_dir: str | Path, step: int, max_steps: int,
-                 announce: bool = True) -> dict[str, Any] | None:
+                 announce: bool = True, run_id: str | None = None) -> dict[str, Any] | None:
     """The saved ``summary.json`` of ``output_dir`` when a run resumed at ``step`` has nothing
     left to do, else None.
 
@@ -297,6 +384,7 @@ def finished_run(output_dir: str | Path, step: int, max_steps: int,
     (written last, after the final evaluation and ``final/``) is there and names ``step``.
     A run killed anywhere before that point is not finished and redoes only its end (final
     evaluation, checkpoint, ``final/``). ``announce`` prints a line saying so (main rank).
+    A summary naming another run than ``run_id`` is not this run's.
     """
     out = Path(output_dir)
     if step < max_steps or not (out / "final").is_dir():
@@ -306,6 +394,8 @@ def finished_run(output_dir: str | Path, step: int, max_steps: int,
     except (OSError, ValueError):
         return None
     if not isinstance(summary, dict) or summary.get("steps") != step:
+        return None
+    if run_id is not None and summary.get("run_id", run_id) != run_id:
         return None
     if announce:
         print(f"bigbatch train: the run in {out} already finished ({step} of {max_steps} "

@@ -1,21 +1,26 @@
 """Training configuration: defaults, a YAML file, and command-line flags, in that order of
 precedence (flags override the file, the file overrides defaults).
 
-Unknown keys and bad values raise :class:`bigbatch.errors.ConfigError` naming the key (and
-the file). The resolved configuration is written to ``<output_dir>/config.yaml``.
+Unknown keys, a key given twice and bad values (a number that is not finite, a device this
+machine does not have) raise :class:`bigbatch.errors.ConfigError` naming the key (and the
+file and line). Relative paths (model folder, data, output folder, resume) in a YAML file
+are read from the YAML file's folder, on the command line from the working directory; the
+resolved configuration, with absolute paths, is written to ``<output_dir>/config.yaml``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["TrainConfig", "load_config", "DTYPES"]
+__all__ = ["TrainConfig", "load_config", "DTYPES", "device_problem"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_LOGIT_SCALE = 100.0  # the learnable temperature is clamped to [1 / this, 1] (LogitScale)
@@ -76,6 +81,7 @@ class TrainConfig:
     save_steps: int = 100
     save_total_limit: int = 2
     resume: str | None = None
+    overwrite: bool = False
     seed: int = 42
     dtype: str = "float32"
     device: str | None = None
@@ -89,6 +95,10 @@ class TrainConfig:
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"--{name.replace('_', '-')}: {why} (got {getattr(self, name)!r})")
 
+        for f in dataclasses.fields(self):  # inf or nan passes every comparison check below
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise bad(f.name, "must be a finite number")
         if not self.model:
             raise ConfigError("--model is required: a path or name of a transformers model")
         from ..encoders.source import check_model_source
@@ -127,12 +137,8 @@ class TrainConfig:
             raise bad("weight_decay", "must be >= 0")
         if not self.dist_timeout > 0:
             raise bad("dist_timeout", "must be > 0 seconds")
-        if self.device is not None:
-            import torch
-            try:
-                torch.device(self.device)
-            except RuntimeError as e:
-                raise bad("device", "not a torch device (cpu, cuda, cuda:1, mps, ...)") from e
+        if self.device is not None and (problem := device_problem(self.device)):
+            raise bad("device", problem)
         if self.max_grad_norm < 0:
             raise bad("max_grad_norm", "must be >= 0 (0 turns clipping off)")
         if self.scheduler not in ("cosine", "constant"):
@@ -179,8 +185,11 @@ class TrainConfig:
         return self.lora_r == 0 or self.lora_alpha == 0
 
     def to_dict(self) -> dict[str, Any]:
+        """The options (``overwrite``, an action of one start, is not a setting kept with a
+        run: a ``config.yaml`` reused as ``--config`` never moves a folder aside by itself)."""
         d = dataclasses.asdict(self)
         d.pop("extra")
+        d.pop("overwrite")
         return d
 
     def write(self, path: str | Path) -> None:
@@ -190,6 +199,28 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "extra"}
+
+
+def device_problem(name: str) -> str | None:
+    """Why ``name`` cannot be used as a torch device on this machine (not a device name, CUDA
+    or MPS not available, a GPU index beyond those present), or None when it can."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return "not a torch device (cpu, cuda, cuda:1, mps, ...)"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return ("CUDA is not available here (no GPU visible, or a torch build without "
+                    "CUDA); use --device cpu, or leave --device out to take what there is")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return (f"there are {torch.cuda.device_count()} GPU(s) here (cuda:0 to "
+                    f"cuda:{torch.cuda.device_count() - 1})")
+    if device.type == "mps" and not (getattr(torch.backends, "mps", None) is not None
+                                     and torch.backends.mps.is_available()):
+        return "MPS (Apple GPU) is not available here; use --device cpu"
+    return None
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -238,8 +269,13 @@ def _check_keys(keys: Any, source: str) -> None:
             raise ConfigError(f"{source}: unknown option {key!r}{hint}")
 
 
-def _key_lines(text: str) -> dict[Any, int]:
-    """The line (1-based) of each top-level key of a YAML mapping, for error messages."""
+def _key_lines(text: str, source: str) -> dict[Any, int]:
+    """The line (1-based) of each top-level key of a YAML mapping, for error messages.
+
+    Raises:
+        ConfigError: a key given twice (also spelled once with ``-`` and once with ``_``),
+            which YAML would settle silently by taking the last.
+    """
     import yaml
 
     try:
@@ -249,12 +285,38 @@ def _key_lines(text: str) -> dict[Any, int]:
     if not isinstance(node, yaml.MappingNode):
         return {}
     out: dict[Any, int] = {}
+    first: dict[str, tuple[Any, int]] = {}
     for key, _ in node.value:
         try:
-            out[yaml.safe_load(yaml.serialize(key))] = key.start_mark.line + 1
+            name = yaml.safe_load(yaml.serialize(key))
         except yaml.YAMLError:  # pragma: no cover
             continue
+        line = key.start_mark.line + 1
+        norm = str(name).replace("-", "_")
+        if norm in first:
+            was, at = first[norm]
+            raise ConfigError(f"{source}:{line}: {name!r} is given twice (also {was!r} at line "
+                              f"{at}); YAML would silently take the last: keep one")
+        first[norm] = (name, line)
+        out[name] = line
     return out
+
+
+_PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume", "data_root")
+
+
+def _resolve_path(key: str, value: Any, base: Path) -> Any:
+    """A path option made absolute: ``~`` is the home folder, a relative path is read from
+    ``base`` (the YAML file's folder, or the working directory for a flag). A ``model`` that
+    is no folder there stays as given: a hub name (``namespace/name``)."""
+    if not isinstance(value, str) or not value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        if key == "model" and not (base / path).exists():
+            return value  # a hub name, or a missing folder check_model_source names
+        path = base.absolute() / path
+    return os.path.normpath(path)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
@@ -273,24 +335,23 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"{p}: not valid YAML: {e}") from e
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a mapping of option: value")
-        lines = _key_lines(p.read_text())
+        lines = _key_lines(p.read_text(), str(p))
         loaded = {str(k).replace("-", "_"): (v, f"{p}:{lines[k]}" if k in lines else str(p))
                   for k, v in loaded.items()}
         for k, (v, where) in loaded.items():
             _check_keys([k], where)
         values.update({k: _coerce(k, v, where) for k, (v, where) in loaded.items()})
+        values.update({k: _resolve_path(k, values[k], p.parent) for k in _PATH_KEYS
+                       if k in values})  # read from the YAML file's folder
+    values.setdefault("output_dir", TrainConfig.output_dir)
     for k, v in (overrides or {}).items():
         k = k.replace("-", "_")
         _check_keys([k], "command line")
-        values[k] = v
-    for k in _PATH_KEYS:  # '~' is the home folder, in a YAML file as on a command line
-        if isinstance(values.get(k), str) and values[k].startswith("~"):
-            values[k] = str(Path(values[k]).expanduser())
+        values[k] = _resolve_path(k, v, Path.cwd()) if k in _PATH_KEYS else v
+    if values["output_dir"] == TrainConfig.output_dir:  # the default: the working directory's
+        values["output_dir"] = _resolve_path("output_dir", values["output_dir"], Path.cwd())
     values = _model_defaults(values)
     return TrainConfig(**values).validate()
-
-
-_PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume", "data_root")
 
 
 # what a sentence-transformers model folder says about how it embeds

@@ -1,6 +1,7 @@
 """Run logs: ``metrics.jsonl`` (one JSON object per logged step or evaluation), TensorBoard
-event files when the ``tensorboard`` package is installed, and a PNG of the training loss
-and evaluation metrics at the end (matplotlib)."""
+event files when the ``tensorboard`` package is installed, the evaluation rows printed
+during training (a table: a header, then one row per evaluation) and a PNG of the training
+loss and evaluation metrics at the end (matplotlib)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,26 @@ from typing import Any
 
 from .checkpoint import fsync_dir
 
-__all__ = ["RunLogger", "plot_metrics", "truncate_metrics"]
+__all__ = ["RunLogger", "plot_metrics", "truncate_metrics", "eval_columns", "format_eval_row"]
+
+# the metrics an evaluation row shows (those the evaluation has), then --best-metric's
+EVAL_SHOWN = ("ndcg@10", "recall@1", "recall@10", "mrr@10", "unseen/ndcg@10")
+
+
+def eval_columns(metrics: dict[str, float], best_metric: str) -> list[str]:
+    """The columns of the evaluation rows: :data:`EVAL_SHOWN` that ``metrics`` has, and
+    ``best_metric`` (the one that selects ``best/``) when it is not among them."""
+    columns = [k for k in EVAL_SHOWN if k in metrics]
+    if best_metric in metrics and best_metric not in columns:
+        columns.append(best_metric)
+    return columns
+
+
+def format_eval_row(step: int | None, metrics: dict[str, float], columns: list[str]) -> str:
+    """One printed evaluation row (``step`` None: the header naming ``columns``)."""
+    cells = [f"{c:>{max(len(c), 7)}}" if step is None
+             else f"{metrics.get(c, float('nan')):>{max(len(c), 7)}.4f}" for c in columns]
+    return f"{'eval':<5}{'step' if step is None else step:>7}  " + "  ".join(cells)
 
 
 def truncate_metrics(path: str | Path, step: int) -> int:
@@ -108,19 +128,22 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path,
     for line in Path(metrics_path).read_text().splitlines():
         rec = json.loads(line)
         (train if rec["kind"] == "train" else evals).append(rec)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if evals:  # a second panel only when there are evaluations to show
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    else:
+        fig, ax1 = plt.subplots(1, 1, figsize=(6, 4))
     if train:
         ax1.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
     ax1.set_xlabel("step")
     ax1.set_ylabel("training loss")
     ax1.set_title("training loss")
-    for key in eval_keys:
-        pts = [(r["step"], r[key]) for r in evals if key in r]
-        if pts:
-            ax2.plot(*zip(*pts), marker="o", label=key)
-    ax2.set_xlabel("step")
-    ax2.set_title("evaluation")
     if evals:
+        for key in eval_keys:
+            pts = [(r["step"], r[key]) for r in evals if key in r]
+            if pts:
+                ax2.plot(*zip(*pts), marker="o", label=key)
+        ax2.set_xlabel("step")
+        ax2.set_title("evaluation")
         ax2.legend()
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)

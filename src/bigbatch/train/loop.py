@@ -4,9 +4,12 @@ gradient clipping over model and logit scale, retrieval evaluation during traini
 checkpoints with exact resume, and cross-device negatives under torchrun.
 
 A run has four phases, each a method of :class:`Trainer`: build (the parts, from the
-configuration), resume (from a checkpoint, or start afresh), step (one optimizer step, then
-its logging, evaluation and checkpoint) and finish (the final checkpoint, ``final/``, the
-final evaluation and the summary). :func:`train` runs them in order.
+configuration, after checking the output folder is the run's to write: see
+:mod:`bigbatch.train.outdir`), resume (from a checkpoint, or start afresh), step (one
+optimizer step, then its logging, evaluation and checkpoint) and finish (the final
+checkpoint, ``final/``, the final evaluation and the summary). :func:`train` runs them in
+order; a run stopped by Ctrl-C raises :class:`RunInterrupted`, saying how to continue, and
+a run that fails before its first step removes the output folder it created.
 """
 
 from __future__ import annotations
@@ -26,20 +29,36 @@ from .._progress import progress_bar
 from ..errors import ConfigError
 from .build import (DTYPES, build_cache, build_encoder, build_loss, build_optimizer,
                     device_for)
-from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run, load_checkpoint,
-                         recover_output_dir, rotate_checkpoints, save_checkpoint)
+from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run, latest_checkpoint,
+                         load_checkpoint, recover_output_dir, rotate_checkpoints,
+                         save_checkpoint, write_errors)
 from .config import TrainConfig
 from .corpus import FixedCorpus
-from .logging import RunLogger, plot_metrics
+from .logging import RunLogger, eval_columns, format_eval_row, plot_metrics
+from .outdir import check_output_dir, claim_output_dir, remove_created
 from .ranks import barrier, from_main, gather_rng_states
-from .resume import check_resume_matches, check_resumed_data, resume_path
+from .resume import check_resume_matches, check_resumed_data, check_resumed_step, resume_path
+from .runid import new_run_id, run_id_of
 from .schedule import make_scheduler
 
-__all__ = ["train", "Trainer", "StepCallback", "base_beats_best"]
+__all__ = ["train", "Trainer", "StepCallback", "RunInterrupted", "base_beats_best"]
 
 # called after each step's logging, evaluation and checkpoint with the step and (a copy of)
 # the training state; True ends the run there, as a kill would
 StepCallback = Callable[[int, dict[str, Any]], bool]
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C (a KeyboardInterrupt): its message says at which step, and how
+    to continue (``--resume DIR`` from the last checkpoint) or that there is nothing to
+    resume. ``step``: the last step done; ``checkpoint``: the one a resume would load."""
+
+    def __init__(self, message: str, step: int, checkpoint: Path | None) -> None:
+        super().__init__(message)
+        self.step, self.checkpoint = step, checkpoint
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 def _improves(value: float, best: float | None, lower_is_better: bool) -> bool:
@@ -71,19 +90,32 @@ def train(config: TrainConfig, on_step_end: StepCallback | None = None) -> dict[
     "encoder"}``.
 
     Raises:
-        ConfigError, DataError: a bad option, training or evaluation data, or resume.
+        ConfigError, DataError: a bad option, training or evaluation data, or resume, or an
+            output folder that holds another run's (or other) files.
+        OutputError: a checkpoint or ``final/`` could not be written (a full disk).
+        RunInterrupted: Ctrl-C; the message says how to continue.
     """
     trainer = Trainer(config)
-    if (done := trainer.resume()) is not None:
-        return done
-    trainer.start()
-    for batch in trainer.batches.iterate(trainer.state["epoch"], trainer.state["index"]):
-        if trainer.state["step"] >= trainer.max_steps:
-            break
-        trainer.step(batch)
-        if on_step_end is not None and on_step_end(trainer.state["step"], dict(trainer.state)):
-            return trainer.stop()
-    return trainer.finish()
+    try:
+        if (done := trainer.resume()) is not None:
+            return done
+        trainer.start()
+        for batch in trainer.batches.iterate(trainer.state["epoch"], trainer.state["index"]):
+            if trainer.state["step"] >= trainer.max_steps:
+                break
+            trainer.step(batch)
+            if on_step_end is not None and on_step_end(trainer.state["step"],
+                                                       dict(trainer.state)):
+                return trainer.stop()
+        return trainer.finish()
+    except KeyboardInterrupt as e:
+        removed = trainer.abort()
+        if isinstance(e, RunInterrupted):
+            raise
+        raise trainer.interrupted(removed) from e
+    except BaseException:
+        trainer.abort()
+        raise
 
 
 class Trainer:
@@ -102,9 +134,19 @@ class Trainer:
         self.info = info = D.init_distributed(timeout_s=config.dist_timeout)
         self.device = device = device_for(config, info)
         self.out = Path(config.output_dir)
-        if info.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            recover_output_dir(self.out)  # what a kill inside atomic_dir left, before any read
+        self.ckpt: Path | None = None
+        if config.resume:
+            if info.is_main and self.out.is_dir():
+                recover_output_dir(self.out)  # what a kill inside atomic_dir left, before any read
+            barrier(info)
+            self.ckpt = resume_path(config.resume)
+        # the folder is the run's to write, checked (by every rank) before anything loads;
+        # created, or its contents moved aside (--overwrite), when the run starts writing
+        resume_run = run_id_of(self.ckpt) if self.ckpt is not None else None
+        self.plan = check_output_dir(self.out, overwrite=config.overwrite, resume=self.ckpt,
+                                     resume_run=resume_run)
+        self.run_id: str = from_main(self._run_id(resume_run), info)
+        self.steps_done = 0  # optimizer steps done by this process
         barrier(info)
         self.records = load_records(config.train_data, config.train_split,
                                     config.num_hard_negatives, config.data_root)
@@ -142,10 +184,21 @@ class Trainer:
         self.state: dict[str, Any] = {
             "step": 0, "epoch": 0, "index": 0, "best": None, "best_step": None, "examples": 0,
             "base_metrics": None, "num_records": len(self.records),
-            "train_data": os.path.realpath(config.train_data)}
+            "train_data": os.path.realpath(config.train_data), "run_id": self.run_id}
         self.logger: RunLogger | None = None
+        self.bar: Any = None
+        self.columns: list[str] | None = None  # of the evaluation rows printed
         self.last_metrics: dict[str, float] | None = None
         self.last_eval_step = -1
+
+    def _run_id(self, resume_run: str | None) -> str:
+        """A resumed run keeps its id (for a checkpoint from before run ids, the id of the
+        folder it continues in, if any); a new run gets a new one."""
+        if self.ckpt is not None:
+            own = resume_run or (None if self.plan.move_aside else run_id_of(self.out))
+            if own:
+                return own
+        return new_run_id()
 
     def _build_encoder(self) -> Any:
         """The encoder, on the device, in training mode, its documents' instructions checked;
@@ -173,25 +226,40 @@ class Trainer:
         if not config.resume:
             torch.manual_seed(config.seed + info.rank)  # each rank its own dropout stream
             return None
-        ckpt = resume_path(config.resume)
+        ckpt = self.ckpt
         check_resume_matches(ckpt, config, info)
         self.state = load_checkpoint(ckpt, encoder=self.encoder, loss_fn=self.loss_fn,
                                      optimizer=self.optimizer, scheduler=self.scheduler,
                                      scaler=self.scaler, rank=info.rank)
         check_resumed_data(ckpt, config, len(self.records), self.state)
+        check_resumed_step(ckpt, self.state["step"], self.max_steps)
         self.state["num_records"] = len(self.records)
         self.state["train_data"] = os.path.realpath(config.train_data)
+        self.state["run_id"] = self.run_id
+        self._claim()
         if info.is_main:  # later checkpoints of the timeline left behind would outrank ours
             abandon_later_checkpoints(self.out, self.state["step"])
         if (done := finished_run(self.out, self.state["step"], self.max_steps,
-                                 announce=info.is_main)):
+                                 announce=info.is_main, run_id=self.run_id)):
             return {**done, "encoder": self.encoder}  # nothing left: no evaluation, no rewrite
+        if info.is_main:
+            print(f"bigbatch train: resuming from {ckpt} (step {self.state['step']} of "
+                  f"{self.max_steps})", flush=True)
         return None
+
+    def _claim(self) -> None:
+        """Make the output folder this run's (create it, or move its contents aside with
+        --overwrite; record the run id), on the main rank, before the run writes there."""
+        if self.info.is_main:
+            claim_output_dir(self.plan, self.run_id)
+        barrier(self.info)
 
     def start(self) -> None:
         """Open the log, write ``config.yaml``, announce the run and, on a fresh start with
         ``--eval-at-start``, evaluate the base model."""
         config, info = self.config, self.info
+        if not config.resume:
+            self._claim()
         self.logger = RunLogger(self.out, enabled=info.is_main,  # a resume drops rows it redoes
                                 resume_step=self.state["step"] if config.resume else None)
         if info.is_main:
@@ -236,9 +304,10 @@ class Trainer:
             metrics = evaluate_beir(self.encoder, config.eval_data, config.eval_split,
                                     batch_size=config.eval_batch_size, device=self.device)
             self.logger.log(step, metrics, kind="eval")
-            shown = {k: round(v, 4) for k, v in metrics.items() if k in
-                     ("ndcg@10", "recall@1", "recall@10", "mrr@10", "unseen/ndcg@10")}
-            print(f"eval step {step}: {shown}", flush=True)
+            if self.columns is None:  # a header over the first row; each evaluation a row
+                self.columns = eval_columns(metrics, config.best_metric)
+                print(format_eval_row(None, metrics, self.columns), flush=True)
+            print(format_eval_row(step, metrics, self.columns), flush=True)
         return from_main(metrics, self.info)  # every rank takes the same branches after it
 
     def save(self, path: Path) -> None:
@@ -269,13 +338,14 @@ class Trainer:
         """Write ``checkpoint-<step>`` and drop the oldest beyond ``--save-total-limit``."""
         self.save(self.out / f"checkpoint-{step:06d}")
         if self.info.is_main:
-            rotate_checkpoints(self.out, self.config.save_total_limit)
+            rotate_checkpoints(self.out, self.config.save_total_limit, run_id=self.run_id)
 
     # ------------------------------------------------------------------ step
     def step(self, batch: Any) -> dict[str, float]:
         """One optimizer step on ``batch``, then its logging, evaluation and checkpoint as
         configured. Returns the step's logged values (loss, metrics, lr, grad_norm, ...)."""
         values = self._optimize(batch)
+        self.steps_done += 1
         step, config = self.state["step"], self.config
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}",
@@ -336,6 +406,37 @@ class Trainer:
         self.logger.close()
         return {"steps": self.state["step"], "stopped": True, "encoder": self.encoder}
 
+    def abort(self) -> bool:
+        """After a failure or Ctrl-C: close the progress bar and the logs, and remove the
+        output folder when this run created it and did no step (nothing in it is worth
+        keeping, and a new start may use the folder). Returns whether it was removed."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.logger is not None:
+            self.logger.close()
+        if self.info.is_main and self.steps_done == 0 and remove_created(self.plan):
+            print(f"bigbatch train: removed {self.out}, which this run had created "
+                  f"(it stopped before its first step)", flush=True)
+            return True
+        return False
+
+    def interrupted(self, removed: bool = False) -> RunInterrupted:
+        """The :class:`RunInterrupted` of a run stopped here: at which step, and how to go on
+        (``removed``: the output folder was removed, nothing was written)."""
+        step, out = self.state["step"], self.out
+        ckpt = None if removed else latest_checkpoint(out, self.run_id) if out.is_dir() else None
+        if removed:
+            text = "stopped before step 1; nothing was written"
+        elif ckpt is not None:
+            at = int(ckpt.name.rsplit("-", 1)[1])
+            text = (f"stopped at step {step}; continue with --resume {out} (from "
+                    f"{ckpt.name}" + (f", redoing steps {at + 1}-{step})" if at < step else ")"))
+        else:
+            text = (f"stopped at step {step}, before the first checkpoint (--save-steps "
+                    f"{self.config.save_steps}): nothing to resume; start again with "
+                    f"--overwrite (moves what {out} holds aside) or a new --output-dir")
+        return RunInterrupted(f"bigbatch train: {text}", step, ckpt)
+
     def finish(self) -> dict[str, Any]:
         """The final checkpoint and ``final/`` (the weights first, so a failing final
         evaluation loses nothing), the final evaluation (which may still make ``best/``), the
@@ -344,7 +445,8 @@ class Trainer:
         self.bar.close()
         self._save_step(state["step"])
         if info.is_main:
-            with atomic_dir(out / "final") as tmp:
+            with atomic_dir(out / "final") as tmp, \
+                    write_errors(out / "final", f"continue with --resume {out}"):
                 self.encoder.save(tmp, merge_lora=config.merge_lora)
         barrier(info)
         if state["step"] >= self.max_steps and self.last_eval_step != state["step"]:
@@ -353,7 +455,9 @@ class Trainer:
                 self.save(out / f"checkpoint-{state['step']:06d}")    # records it
         if info.is_main:
             if (out / "metrics.jsonl").exists():
-                plot_metrics(out / "metrics.jsonl", out / "training_curves.png")
+                plot_metrics(out / "metrics.jsonl", out / "training_curves.png",
+                             eval_keys=tuple(dict.fromkeys(("ndcg@10", "recall@10", "mrr@10",
+                                                            config.best_metric))))
             self.logger.close()
         barrier(info)
         return self._summary()
@@ -365,7 +469,8 @@ class Trainer:
         summary = {"steps": state["step"], "seconds": time.time() - self.t_start,
                    "base": state["base_metrics"], "final": self.last_metrics,
                    "best": state["best"], "best_step": state["best_step"],
-                   "output_dir": str(out), "final_model": str(out / "final")}
+                   "output_dir": str(out), "final_model": str(out / "final"),
+                   "run_id": self.run_id}
         note = base_beats_best(state["base_metrics"], state["best"], state["best_step"],
                                self.config.best_metric, self.lower_is_better)
         if note:

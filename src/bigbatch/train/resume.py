@@ -12,8 +12,9 @@ from .. import distributed as D
 from ..errors import ConfigError
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig
+from .runid import RUN_FILE
 
-__all__ = ["resume_path", "check_resume_matches", "check_resumed_data"]
+__all__ = ["resume_path", "check_resume_matches", "check_resumed_data", "check_resumed_step"]
 
 # settings that decide which records each step reads: a resume must keep them
 # (train_data is compared by the resolved path the checkpoint's state records)
@@ -31,8 +32,24 @@ def resume_path(resume: str) -> Path:
         return p
     latest = latest_checkpoint(p) if p.is_dir() else None
     if latest is None:
+        if (p / RUN_FILE).exists():
+            raise ConfigError(f"--resume: the run in {p} stopped before its first checkpoint "
+                              f"(nothing to resume); start it again with --output-dir {p} "
+                              f"--overwrite (moves its files aside), or give a new --output-dir")
         raise ConfigError(f"--resume: no checkpoint found at {p}")
     return latest
+
+
+def check_resumed_step(ckpt: Path, step: int, max_steps: int) -> None:
+    """A checkpoint beyond this run's last step cannot be continued to it.
+
+    Raises:
+        ConfigError: naming the checkpoint's step and ``--max-steps``.
+    """
+    if step > max_steps:
+        raise ConfigError(f"--resume: {ckpt} is at step {step}, beyond this run's {max_steps} "
+                          f"steps (--max-steps / --epochs); give at least {step} steps to "
+                          f"continue it")
 
 
 def check_resume_matches(ckpt: Path, config: TrainConfig, info: D.WorldInfo) -> None:

@@ -1,0 +1,203 @@
+"""Where a command writes, checked before any work starts; the run folder is the user's.
+
+An output folder belongs to one run (its ``run.json`` names the run). A new run starts only
+in a folder that does not exist yet or is empty; one that holds another run's files, or any
+other files, is refused with the choices: continue that run (``--resume DIR``), give a new
+``--output-dir``, or ``--overwrite``, which moves the folder's contents into
+``previous-<timestamp>/`` inside it (nothing is deleted) before the new run starts. A resume
+continues in the folder of the run it resumes (or in a new or empty one).
+
+Also the write-tests of the files and folders that ``train``, ``eval``, ``mine`` and
+``render-pages`` write, so that an unwritable destination fails before the work, not after.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+from .checkpoint import fsync_dir
+from .runid import RUN_FILE, run_id_of, write_run_file
+
+__all__ = ["ARCHIVE_PREFIX", "OutputPlan", "check_output_dir", "claim_output_dir",
+           "remove_created", "check_writable_folder", "check_writable_file"]
+
+# --overwrite moves a folder's contents into <folder>/previous-<timestamp>/; such archives
+# stay where they are (a later --overwrite does not nest them) and do not make a folder
+# count as holding files
+ARCHIVE_PREFIX = "previous-"
+# what marks a folder as a bigbatch run's (rather than files of the user's own)
+_RUN_MARKERS = (RUN_FILE, "metrics.jsonl", "final", "best")
+
+
+@dataclass
+class OutputPlan:
+    """What starting a run in ``path`` does (decided by :func:`check_output_dir`, done by
+    :func:`claim_output_dir` on the main rank)."""
+
+    path: Path
+    create: bool = False                    # the folder does not exist yet
+    move_aside: list[Path] = field(default_factory=list)   # --overwrite: moved into an archive
+    created_root: Path | None = None        # the highest folder the claim creates
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_writable_folder(path: str | Path, option: str) -> None:
+    """Refuse a folder that cannot be created or written in (a file on its way, no
+    permission, a read-only file system), by writing a probe file (removed at once) in it or
+    in the nearest folder above it that exists.
+
+    Raises:
+        ConfigError: naming ``option``, the path and why.
+    """
+    p = Path(path)
+    base = _nearest_existing(p)
+    if not base.is_dir():
+        raise ConfigError(f"{option}: {p} cannot be a folder: {base} is a file")
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{option}: cannot write in {base} ({e.strerror or e}); give a "
+                          f"folder you can write to") from e
+
+
+def check_writable_file(path: str | Path, option: str, create_folders: bool = True) -> None:
+    """Refuse a file that could not be written: a folder of that name, a missing folder
+    (unless ``create_folders``), no permission. Nothing is written: an existing file is
+    opened for appending and closed, a new one is probed by a temporary file beside it.
+
+    Raises:
+        ConfigError: naming ``option``, the path and why (checked before the work, so that
+            none is lost).
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{option}: {p} is a folder; give a file name")
+    if p.exists():
+        try:
+            with open(p, "a"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"{option}: cannot write {p} ({e.strerror or e}); checked "
+                              f"before the work, so none is lost") from e
+        return
+    if not create_folders and not p.absolute().parent.is_dir():
+        raise ConfigError(f"{option}: the folder {p.absolute().parent} does not exist "
+                          f"(checked before the work, so none is lost)")
+    check_writable_folder(p.absolute().parent, option)
+
+
+def _entries(out: Path) -> list[Path]:
+    """What ``out`` holds, except the archives of earlier ``--overwrite`` runs."""
+    return sorted(p for p in out.iterdir()
+                  if not (p.name.startswith(ARCHIVE_PREFIX) and p.is_dir()))
+
+
+def _is_run(entries: list[Path]) -> bool:
+    return any(p.name in _RUN_MARKERS or p.name.startswith("checkpoint-") for p in entries)
+
+
+def _shown(entries: list[Path], n: int = 5) -> str:
+    names = [p.name + ("/" if p.is_dir() else "") for p in entries[:n]]
+    return ", ".join(names) + (f", ... ({len(entries)} entries)" if len(entries) > n else "")
+
+
+def check_output_dir(output_dir: str | Path, *, overwrite: bool = False,
+                     resume: Path | None = None, resume_run: str | None = None) -> OutputPlan:
+    """Decide whether a run may start in ``output_dir``, reading only (call on every rank,
+    before anything loads). ``resume``: the checkpoint a resumed run continues, whose run
+    id is ``resume_run`` (None for a checkpoint from before run ids).
+
+    A folder that does not exist or is empty is fine; so is, for a resume, the folder of
+    the run it continues (its ``run.json`` names that run, or it holds the checkpoint). Any
+    other content is refused, or with ``overwrite`` is to be moved aside.
+
+    Raises:
+        ConfigError: the folder is a file or cannot be written, or holds another run's (or
+            any other) files and ``overwrite`` is off, spelling out the choices.
+    """
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output-dir: {out} is a file; give a folder (a new or empty one)")
+    check_writable_folder(out, "--output-dir")
+    if not out.exists():
+        root = out.absolute()
+        while not root.parent.exists():
+            root = root.parent
+        return OutputPlan(out, create=True, created_root=root)
+    entries = _entries(out)
+    if not entries:
+        return OutputPlan(out)
+    folder_run = run_id_of(out)
+    inside = resume is not None and resume.resolve().parent == out.resolve()
+    if resume is not None:
+        if inside and (resume_run is None or folder_run is None or resume_run == folder_run):
+            return OutputPlan(out)
+        if not inside and resume_run is not None and resume_run == folder_run:
+            return OutputPlan(out)
+    archive = f"{out}/{ARCHIVE_PREFIX}<timestamp>/"
+    if not overwrite:
+        if _is_run(entries):
+            whose = "another training run" if resume is not None else "a training run"
+            raise ConfigError(
+                f"--output-dir: {out} already holds {whose} ({_shown(entries)}); a new run "
+                f"does not write over it. Continue that run with --resume {out}, give a new "
+                f"--output-dir, or add --overwrite to move what it holds into {archive} "
+                f"(nothing is deleted)")
+        raise ConfigError(
+            f"--output-dir: {out} is not empty ({_shown(entries)}) and holds no bigbatch run; "
+            f"a run does not write over other files. Give a new or empty --output-dir, or "
+            f"add --overwrite to move them into {archive} (nothing is deleted)")
+    if inside:
+        raise ConfigError(f"--overwrite: the checkpoint to resume, {resume}, is inside "
+                          f"{out}, which holds another run; resume into a new --output-dir")
+    return OutputPlan(out, move_aside=entries)
+
+
+def claim_output_dir(plan: OutputPlan, run_id: str) -> Path | None:
+    """Make ``plan.path`` the folder of run ``run_id`` (main rank): create it, or move what
+    ``--overwrite`` sets aside into ``previous-<timestamp>/`` (announced), and record the run
+    in ``run.json`` (left untouched when it already names the run). Returns the archive
+    folder, if one was made."""
+    out = plan.path
+    dest = None
+    if plan.create:
+        out.mkdir(parents=True, exist_ok=True)
+    if plan.move_aside:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        dest, n = out / f"{ARCHIVE_PREFIX}{stamp}", 1
+        while dest.exists():
+            n += 1
+            dest = out / f"{ARCHIVE_PREFIX}{stamp}-{n}"
+        dest.mkdir()
+        for p in plan.move_aside:
+            if p.exists() or p.is_symlink():
+                os.replace(p, dest / p.name)
+        fsync_dir(dest)
+        print(f"bigbatch train: --overwrite: moved what {out} held ({_shown(plan.move_aside)}) "
+              f"into {dest}; nothing was deleted", flush=True)
+    if run_id_of(out) != run_id:
+        write_run_file(out, run_id, started=time.strftime("%Y-%m-%d %H:%M:%S"))
+    fsync_dir(out)
+    return dest
+
+
+def remove_created(plan: OutputPlan) -> bool:
+    """Remove the folder a claim created (with any folders above it it created), after a run
+    that failed before writing anything worth keeping; returns whether it did."""
+    if not plan.create or plan.created_root is None or not plan.created_root.exists():
+        return False
+    shutil.rmtree(plan.created_root, ignore_errors=True)
+    return True
