@@ -70,6 +70,11 @@ _HELP = {
                            "gradcache (chunked, cached)",
     "doc_negatives": "query-side-tune: batch (the batch's documents) or corpus (every document, "
                      "embedded once)",
+    "pooling": "mean, cls, last (one vector per text), or multivector (one per token, "
+               "ColBERT / PyLate: MaxSim loss and retrieval)",
+    "multivector_dim": "multivector: width of the token vectors (a linear projection)",
+    "query_length": "multivector: pad queries with mask tokens to this many tokens and cut "
+                    "them there (ColBERT's query augmentation; 0: off)",
 }
 
 
