@@ -209,7 +209,8 @@ def _maxsim_scorer(encoder: Any, corpus: Path, texts: list[str], batch_size: int
                    cache_dir: Any, progress: bool) -> tuple[list[str], Scorer, int]:
     """One vector per token: MaxSim (divided by the query's token count) against the corpus's
     token store, a block of documents at a time; as many queries at once as keep the
-    scores under 256 MiB."""
+    scores under 256 MiB. When every query's scores fit there, they are computed once (the
+    ``unseen/`` subset takes its rows from them)."""
     from .data.token_store import embed_corpus_tokens
     from .embeddings import TokenEmbeddings
 
@@ -218,8 +219,16 @@ def _maxsim_scorer(encoder: Any, corpus: Path, texts: list[str], batch_size: int
     q = encoder.encode(texts, side="query", batch_size=batch_size, device=device,
                        progress="embed queries" if progress else None)
     block = max(1, 2 ** 26 // max(1, len(store)))
-    return store.ids, lambda rows: store.scores(TokenEmbeddings(q.values[rows], q.mask[rows])), \
-        block
+    every: list[Tensor] = []
+
+    def scores(rows: list[int]) -> Tensor:
+        if len(texts) > block:
+            return store.scores(TokenEmbeddings(q.values[rows], q.mask[rows]))
+        if not every:
+            every.append(store.scores(q))
+        return every[0][rows]
+
+    return store.ids, scores, block
 
 
 _SCORERS = {False: _dense_scorer, True: _maxsim_scorer}  # by the encoder's multi_vector

@@ -36,9 +36,12 @@ from ..embeddings import TokenEmbeddings, stack_rows
 from ..maxsim import maxsim_scores
 from .corpus import corpus_key, embeddings_file, iter_corpus
 
-__all__ = ["TokenStore", "TokenStoreWriter", "embed_corpus_tokens", "BLOCK_ELEMENTS"]
+__all__ = ["TokenStore", "TokenStoreWriter", "embed_corpus_tokens", "BLOCK_ELEMENTS",
+           "SIMILARITY_ELEMENTS"]
 
 BLOCK_ELEMENTS = 2 ** 24  # padded document values in one scored block: 64 MiB in float32
+SIMILARITY_ELEMENTS = 2 ** 26  # token similarities at once: 256 MiB (4 times fewer passes
+# over the documents than the loss's 64 MiB blocks, which also keep a backward's room)
 _VALUES, _DOCS = "values.f16", "docs.pt"
 
 
@@ -82,10 +85,13 @@ class TokenStore:
         return self.order[lo:hi], stack_rows(list(flat.split(sizes)), self.dim)
 
     def scores(self, queries: TokenEmbeddings, normalize_query: bool = True,
-               block_elements: int = BLOCK_ELEMENTS) -> Tensor:
+               block_elements: int = BLOCK_ELEMENTS,
+               similarity_elements: int = SIMILARITY_ELEMENTS) -> Tensor:
         """The MaxSim scores (float32, on the CPU) of ``queries`` with every document,
         ``(queries, documents)`` in corpus order, computed a block of stored documents at a
-        time (at most ``block_elements`` padded values each)."""
+        time (at most ``block_elements`` padded values each), and within it at most
+        ``similarity_elements`` token similarities at once
+        (:func:`bigbatch.maxsim.maxsim_scores`' blocks; no gradient is kept)."""
         n = len(self.ids)
         out = torch.empty(len(queries.values), n)
         if n == 0:
@@ -96,7 +102,8 @@ class TokenStore:
         for lo in range(0, n, per_block):
             cols, docs = self.rows(lo, min(lo + per_block, n))
             with torch.no_grad():
-                out[:, cols] = maxsim_scores(queries, docs, normalize_query=normalize_query)
+                out[:, cols] = maxsim_scores(queries, docs, normalize_query=normalize_query,
+                                             max_block_elements=similarity_elements)
         return out
 
 
@@ -127,8 +134,12 @@ class TokenStoreWriter:
         torch.save({"ids": ids, "order": torch.tensor(self._order, dtype=torch.long),
                     "offsets": torch.tensor(self._offsets, dtype=torch.long),
                     "dim": self.dim}, self.tmp / _DOCS)
-        shutil.rmtree(self.path, ignore_errors=True)
-        self.tmp.replace(self.path)
+        try:
+            self.tmp.replace(self.path)
+        except OSError:  # another process put the same store there first
+            if not (self.path / _DOCS).exists():
+                raise
+            shutil.rmtree(self.tmp, ignore_errors=True)
         return TokenStore(self.path, cleanup)
 
 

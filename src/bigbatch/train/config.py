@@ -344,8 +344,9 @@ def _model_defaults(values: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{meta}: not valid JSON: {e}") from e
         return {**{k: found[k] for k in _VL_KEYS if found.get(k) is not None}, **values}
     multi = _multivector_defaults(Path(model))
-    if multi is not None:
-        return {**multi, **values}
+    if multi is not None:  # (another --pooling: the transformer alone, pooled as asked)
+        return {**multi, **values} if values.get("pooling", "multivector") == "multivector" \
+            else values
     if all(k in values for k in _ST_KEYS):
         return values
     try:
