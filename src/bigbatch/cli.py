@@ -98,6 +98,11 @@ _HELP = {
                      "embedded once)",
     "data_root": "refuse files named by the data (chunk_path, image paths) that resolve "
                  "outside this folder (default: any file you can read)",
+    "pooling": "mean, cls, last (one vector per text), or multivector (one per token, "
+               "ColBERT / PyLate: MaxSim loss and retrieval)",
+    "multivector_dim": "multivector: width of the token vectors (a linear projection)",
+    "query_length": "multivector: pad queries with mask tokens to this many tokens and cut "
+                    "them there (ColBERT's query augmentation; 0: off)",
 }
 
 

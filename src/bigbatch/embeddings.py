@@ -28,6 +28,7 @@ own token count again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple, Union
 
 import torch
@@ -37,7 +38,7 @@ from .errors import InputError, ShapeError
 
 __all__ = ["TokenEmbeddings", "Embedding", "check_output", "cache_of", "detached", "grad_of",
            "surrogate_backward", "all_finite", "dtype_of", "dim_of", "tokens_of", "row_numel",
-           "pack", "unpack"]
+           "pack", "unpack", "stack_rows"]
 
 
 class TokenEmbeddings(NamedTuple):
@@ -214,3 +215,15 @@ def unpack(flat: Tensor, dim: int, tokens: int) -> Embedding:
         return flat
     values, mask = flat.split([tokens * dim, tokens], 1)
     return TokenEmbeddings(values.reshape(-1, tokens, dim), mask.detach() != 0)
+
+
+def stack_rows(rows: Sequence[Tensor], dim: int = 0) -> TokenEmbeddings:
+    """Rows of different token counts (each ``(tokens_i, dim)``) as one TokenEmbeddings,
+    padded with zeros to the longest row; the mask marks each row's own tokens. ``dim``: the
+    width of an empty result (no rows)."""
+    if not rows:
+        return TokenEmbeddings(torch.zeros(0, 0, dim), torch.zeros(0, 0, dtype=torch.bool))
+    values = torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True)
+    lengths = torch.tensor([len(r) for r in rows], device=values.device)
+    mask = torch.arange(values.shape[1], device=values.device)[None, :] < lengths[:, None]
+    return TokenEmbeddings(values, mask)

@@ -1,9 +1,10 @@
 """Full-corpus retrieval evaluation on a BEIR split: nDCG@10, Recall@1/5/10, MRR@10, and the
 mean similarity of positives and negatives with their margin.
 
-Exact search: every query against every document (a matrix product in blocks of queries),
-so the numbers are reproducible and comparable to published BEIR/MTEB figures (for
-all-MiniLM-L6-v2 on SciFact test, 0.6451 nDCG@10 at max length 256).
+Exact search: every query against every document (a matrix product in blocks of queries,
+or for a multi-vector model MaxSim against the corpus's stored token vectors), so the numbers
+are reproducible and comparable to published BEIR/MTEB figures (for all-MiniLM-L6-v2 on
+SciFact test, 0.6451 nDCG@10 at max length 256).
 
 Definitions (as trec_eval / pytrec_eval, which BEIR and MTEB use):
     nDCG@k = DCG@k / IDCG@k, DCG@k = sum_{i<=k} rel_i / log2(i + 1) (linear gain),
@@ -18,15 +19,15 @@ Definitions (as trec_eval / pytrec_eval, which BEIR and MTEB use):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["retrieval_metrics", "evaluate_retrieval", "evaluate_beir", "unseen_query_ids",
-           "check_beir_split", "METRIC_NAMES", "LOWER_IS_BETTER"]
+__all__ = ["retrieval_metrics", "evaluate_retrieval", "evaluate_scores", "evaluate_beir",
+           "unseen_query_ids", "check_beir_split", "METRIC_NAMES", "LOWER_IS_BETTER"]
 
 METRIC_NAMES = ("ndcg@10", "recall@1", "recall@5", "recall@10", "mrr@10", "pos_sim", "neg_sim",
                 "margin")
@@ -87,13 +88,24 @@ def evaluate_retrieval(query_emb: Tensor, doc_emb: Tensor, query_ids: Sequence[s
                        top_k: int = 10, block: int = 256) -> dict[str, float]:
     """Exact search of every query against every document, then :func:`retrieval_metrics`
     plus pos_sim, neg_sim and margin."""
+    d = doc_emb.float()
+    return evaluate_scores(lambda rows: query_emb[rows].float() @ d.T, query_ids, doc_ids,
+                           qrels, top_k, block)
+
+
+def evaluate_scores(scores: Callable[[list[int]], Tensor], query_ids: Sequence[str],
+                    doc_ids: Sequence[str], qrels: Mapping[str, Mapping[str, int]],
+                    top_k: int = 10, block: int = 256) -> dict[str, float]:
+    """:func:`evaluate_retrieval` for any similarity: ``scores(rows)`` gives the
+    ``(len(rows), documents)`` similarities of the queries ``rows`` (positions in
+    ``query_ids``) with every document, asked for ``block`` queries at a time."""
     doc_index = {d: i for i, d in enumerate(doc_ids)}
     ranked: dict[str, list[str]] = {}
     pos_sum, pos_n, neg_means = 0.0, 0, []
-    d = doc_emb.float()
-    k = min(top_k, d.shape[0])
+    n_docs = len(doc_ids)
+    k = min(top_k, n_docs)
     for lo in range(0, len(query_ids), block):
-        sims = query_emb[lo:lo + block].float() @ d.T
+        sims = scores(list(range(lo, min(lo + block, len(query_ids)))))
         top = _top_ranked(sims, doc_ids, k) if k else [[] for _ in range(sims.shape[0])]
         totals = sims.sum(1).tolist()
         for row, qid in enumerate(query_ids[lo:lo + block]):
@@ -104,8 +116,8 @@ def evaluate_retrieval(query_emb: Tensor, doc_emb: Tensor, query_ids: Sequence[s
             rel_sims = sims[row, rel]
             pos_sum += rel_sims.sum().item()
             pos_n += len(rel)
-            if d.shape[0] > len(rel):
-                neg_means.append((totals[row] - rel_sims.sum().item()) / (d.shape[0] - len(rel)))
+            if n_docs > len(rel):
+                neg_means.append((totals[row] - rel_sims.sum().item()) / (n_docs - len(rel)))
     out = retrieval_metrics(ranked, qrels)
     out["pos_sim"] = pos_sum / pos_n if pos_n else float("nan")
     out["neg_sim"] = sum(neg_means) / len(neg_means) if neg_means else float("nan")
@@ -177,33 +189,82 @@ def check_beir_split(root: str | Path, split: str = "test",
                         f"qrels/train.tsv)", path=str(root / "qrels"))
 
 
+Scorer = Callable[[list[int]], Tensor]  # query positions -> (rows, documents) similarities
+
+
+def _dense_scorer(encoder: Any, corpus: Path, texts: list[str], batch_size: int, device: Any,
+                  cache_dir: Any, progress: bool) -> tuple[list[str], Scorer, int]:
+    """One vector per text: dot products with the corpus's embeddings (cached)."""
+    from .data.corpus import embed_corpus
+
+    doc_ids, doc_emb = embed_corpus(encoder, corpus, batch_size=batch_size, device=device,
+                                    cache_dir=cache_dir, progress=progress)
+    query_emb = encoder.encode(texts, side="query", batch_size=batch_size, device=device,
+                               progress="embed queries" if progress else None)
+    d = doc_emb.float()
+    return doc_ids, lambda rows: query_emb[rows].float() @ d.T, 256
+
+
+def _maxsim_scorer(encoder: Any, corpus: Path, texts: list[str], batch_size: int, device: Any,
+                   cache_dir: Any, progress: bool) -> tuple[list[str], Scorer, int]:
+    """One vector per token: MaxSim (divided by the query's token count) against the corpus's
+    token store, a block of documents at a time; as many queries at once as keep the
+    scores under 256 MiB. When every query's scores fit there, they are computed once (the
+    ``unseen/`` subset takes its rows from them)."""
+    from .data.token_store import embed_corpus_tokens
+    from .embeddings import TokenEmbeddings
+
+    store = embed_corpus_tokens(encoder, corpus, batch_size=batch_size, device=device,
+                                cache_dir=cache_dir, progress=progress)
+    q = encoder.encode(texts, side="query", batch_size=batch_size, device=device,
+                       progress="embed queries" if progress else None)
+    block = max(1, 2 ** 26 // max(1, len(store)))
+    every: list[Tensor] = []
+
+    def scores(rows: list[int]) -> Tensor:
+        if len(texts) > block:
+            return store.scores(TokenEmbeddings(q.values[rows], q.mask[rows]))
+        if not every:
+            every.append(store.scores(q))
+        return every[0][rows]
+
+    return store.ids, scores, block
+
+
+_SCORERS = {False: _dense_scorer, True: _maxsim_scorer}  # by the encoder's multi_vector
+
+
 def evaluate_beir(encoder: Any, root: str | Path, split: str = "test", batch_size: int = 64,
                   device: torch.device | str | None = None, unseen_from: str | None = "train",
                   cache_dir: str | Path | None = None, progress: bool = True) -> dict[str, float]:
     """Embed the whole corpus (streamed in blocks; cached in ``cache_dir`` when given) and the
     split's queries with ``encoder`` (a :class:`bigbatch.encoders.TextEncoder`) and return the
     metrics; with ``unseen_from``, the same metrics on the queries whose relevant documents
-    are not in that split's qrels are added with the prefix ``unseen/``."""
+    are not in that split's qrels are added with the prefix ``unseen/``.
+
+    A multi-vector encoder (``encoder.multi_vector``) is scored by MaxSim, divided by the
+    query's token count (so pos_sim and neg_sim stay in [-1, 1]; the ranking is MaxSim's):
+    the documents' token vectors are stored once (float16, memory-mapped; in ``cache_dir``
+    when given, else a temporary folder), see :mod:`bigbatch.data.token_store`."""
     from .data.beir import check_corpus_ids, load_qrels, load_queries
-    from .data.corpus import embed_corpus
 
     root = Path(root)
     qrels = load_qrels(root / "qrels" / f"{split}.tsv")
     queries = load_queries(root / "queries.jsonl", set(qrels))
-    doc_ids, doc_emb = embed_corpus(encoder, root / "corpus.jsonl", batch_size=batch_size,
-                                    device=device, cache_dir=cache_dir, progress=progress)
+    query_ids = list(queries)
+    scorer = _SCORERS[bool(getattr(encoder, "multi_vector", False))]
+    doc_ids, scores, block = scorer(encoder, root / "corpus.jsonl",
+                                    [queries[q] for q in query_ids], batch_size, device,
+                                    cache_dir, progress)
     check_corpus_ids(doc_ids, root / "corpus.jsonl")  # a repeated id: recall above 1
     _check_qrels_in_corpus(qrels, set(doc_ids), split, root / "corpus.jsonl")
-    query_ids = list(queries)
-    query_emb = encoder.encode([queries[q] for q in query_ids], side="query",
-                               batch_size=batch_size, device=device,
-                               progress="embed queries" if progress else None)
-    out = evaluate_retrieval(query_emb, doc_emb, query_ids, doc_ids, qrels)
+    out = evaluate_scores(scores, query_ids, doc_ids, qrels, block=block)
     if unseen_from:
         unseen = set(unseen_query_ids(root, split, unseen_from))
         if unseen:
             idx = [i for i, q in enumerate(query_ids) if q in unseen]
-            sub = evaluate_retrieval(query_emb[idx], doc_emb, [query_ids[i] for i in idx],
-                                     doc_ids, {q: qrels[q] for q in unseen})
+            sub = evaluate_scores(lambda rows: scores([idx[r] for r in rows]),
+                                  [query_ids[i] for i in idx], doc_ids,
+                                  {q: qrels[q] for q in unseen}, block=block)
             out.update({f"unseen/{k}": v for k, v in sub.items()})
     return out

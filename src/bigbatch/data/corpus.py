@@ -127,9 +127,20 @@ def embed_corpus(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
                  device: Any = None, cache_dir: str | Path | None = None, block: int = 4096,
                  progress: bool = True) -> tuple[list[str], torch.Tensor]:
     """(doc ids, float32 embeddings) of every document, from the cache in ``cache_dir`` when
-    it is there (None: no cache)."""
+    it is there (None: no cache).
+
+    Raises:
+        ConfigError: a multi-vector encoder (one vector per token, not per document: see
+            :func:`bigbatch.data.token_store.embed_corpus_tokens`).
+    """
     from .._progress import progress_bar
 
+    if getattr(encoder, "multi_vector", False):
+        from ..errors import ConfigError
+
+        raise ConfigError("a multi-vector (ColBERT) model embeds a document as one vector per "
+                          "token; this needs one vector per document (evaluation scores "
+                          "multi-vector models by MaxSim; mining does not support them yet)")
     corpus_path = Path(corpus_path)
     cache = embeddings_file(encoder, corpus_key(corpus_path), cache_dir) if cache_dir else None
     cached = load_embeddings(cache) if cache is not None else None

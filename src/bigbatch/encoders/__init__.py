@@ -1,6 +1,7 @@
-"""Encoders: towers that turn text (TextEncoder) and page images (VisionLanguageEncoder, for
-Qwen2-VL / Qwen2.5-VL / Qwen3-VL) into L2-normalised embeddings. Both fulfil the contract
-declared in :class:`~bigbatch.encoders.base.EncoderBase`.
+"""Encoders: towers that turn text (TextEncoder; MultiVectorTextEncoder: one vector per token,
+ColBERT-style) and page images (VisionLanguageEncoder, for Qwen2-VL / Qwen2.5-VL / Qwen3-VL)
+into L2-normalised embeddings. All fulfil the contract declared in
+:class:`~bigbatch.encoders.base.EncoderBase`.
 
 Imports transformers and peft lazily, so ``import bigbatch`` stays light.
 """
@@ -8,7 +9,8 @@ Imports transformers and peft lazily, so ``import bigbatch`` stays light.
 from .loading import load_encoder
 from .base import EncoderBase, FrozenDocTower
 from .text import TextEncoder, default_lora_targets
+from .multivector import MultiVectorTextEncoder
 from .vision import VisionLanguageEncoder, is_vision_language_model
 
-__all__ = ["EncoderBase", "TextEncoder", "VisionLanguageEncoder", "FrozenDocTower",
-           "default_lora_targets", "load_encoder", "is_vision_language_model"]
+__all__ = ["EncoderBase", "TextEncoder", "MultiVectorTextEncoder", "VisionLanguageEncoder",
+           "FrozenDocTower", "default_lora_targets", "load_encoder", "is_vision_language_model"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -82,6 +82,9 @@ class EncoderBase(nn.Module, ABC):
     """
 
     encoder_type: ClassVar[str]  # "text" or "vision-language" (what --encoder names)
+    # True: one vector per token (TokenEmbeddings, late interaction): forward and encode return
+    # TokenEmbeddings, and encode_tokens yields each text's unmasked token vectors
+    multi_vector: ClassVar[bool] = False
     doc_tower = "shared"
     _allowed_missing: tuple[str, ...] = ()  # checkpoint keys the encoder never uses
     _doc_base: nn.Module | None = None
@@ -162,9 +165,14 @@ class EncoderBase(nn.Module, ABC):
         if self.is_lora and merge_lora:
             import copy
             model = copy.deepcopy(model).merge_and_unload()
-        model.save_pretrained(path, safe_serialization=True)
+        options = self._adapter_save_options() if self.is_lora and not merge_lora else {}
+        model.save_pretrained(path, safe_serialization=True, **options)
         self.tokenizer.save_pretrained(path)
         return path
+
+    def _adapter_save_options(self) -> dict[str, Any]:
+        """Keyword arguments of peft's ``save_pretrained`` when an adapter is saved."""
+        return {}
 
     # ------------------------------------------------------------------ training set-up
     @property
@@ -258,32 +266,44 @@ class EncoderBase(nn.Module, ABC):
 
     # ------------------------------------------------------------------ encoding
     @torch.no_grad()
-    def _encode(self, items: Sequence[Any], side: str, batch_size: int,
-                device: torch.device | str | None, progress: str | None,
-                autocast_dtype: torch.dtype | None, order: list[int],
-                make_batch: Callable[[list, str], dict[str, Tensor]], unit: str) -> Tensor:
-        """Embed ``items`` in batches taken in ``order``; float32 on the CPU, input order."""
+    def _encode_batches(self, items: Sequence[Any], side: str, batch_size: int,
+                        device: torch.device | str | None, progress: str | None,
+                        autocast_dtype: torch.dtype | None, order: list[int],
+                        make_batch: Callable[[list, str], dict[str, Tensor]],
+                        unit: str) -> Iterator[tuple[list[int], Any]]:
+        """Embed ``items`` in batches taken in ``order`` (eval mode, no gradient); yields each
+        batch's item indices with the encoder's output for it, on the encoding device."""
         from .._progress import progress_bar
 
         was_training = self.training
         self.eval()
         device = torch.device(device) if device is not None else next(self.parameters()).device
-        out: list[Tensor] = []
         bar = progress_bar(total=len(items), desc=progress, unit=unit) if progress else None
-        for lo in range(0, len(order), batch_size):
-            idx = order[lo:lo + batch_size]
-            batch = {k: v.to(device) for k, v in make_batch([items[i] for i in idx], side).items()}
-            ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else \
-                torch.autocast(device.type, enabled=False)
-            with ctx:
-                emb = self.embed_doc_frozen(**batch) if side == "doc" and \
-                    self.doc_tower == "base" else self(**batch)
-            out.append(emb.float().cpu())
+        try:
+            for lo in range(0, len(order), batch_size):
+                idx = order[lo:lo + batch_size]
+                batch = {k: v.to(device)
+                         for k, v in make_batch([items[i] for i in idx], side).items()}
+                ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else \
+                    torch.autocast(device.type, enabled=False)
+                with ctx:
+                    out = self.embed_doc_frozen(**batch) if side == "doc" and \
+                        self.doc_tower == "base" else self(**batch)
+                yield idx, out
+                if bar is not None:
+                    bar.update(len(idx))
+        finally:
             if bar is not None:
-                bar.update(len(idx))
-        if bar is not None:
-            bar.close()
-        self.train(was_training)
+                bar.close()
+            self.train(was_training)
+
+    def _encode(self, items: Sequence[Any], side: str, batch_size: int,
+                device: torch.device | str | None, progress: str | None,
+                autocast_dtype: torch.dtype | None, order: list[int],
+                make_batch: Callable[[list, str], dict[str, Tensor]], unit: str) -> Tensor:
+        """Embed ``items`` in batches taken in ``order``; float32 on the CPU, input order."""
+        out = [emb.float().cpu() for _, emb in self._encode_batches(
+            items, side, batch_size, device, progress, autocast_dtype, order, make_batch, unit)]
         emb = torch.cat(out) if out else torch.empty(0, 0)
         result = torch.empty_like(emb)
         result[torch.tensor(order, dtype=torch.long)] = emb

@@ -1,6 +1,7 @@
 """Load an encoder from what users have on disk: a bigbatch ``final/`` (weights or a LoRA
 adapter), a checkpoint directory (its ``model/``), a sentence-transformers folder (pooling,
-normalisation and prompts read from its config files), or a plain transformers model.
+normalisation and prompts read from its config files), a PyLate (ColBERT) folder (a
+:class:`~bigbatch.encoders.multivector.MultiVectorTextEncoder`), or a plain transformers model.
 Qwen2-VL / Qwen2.5-VL / Qwen3-VL folders (and adapters over them) give a
 :class:`~bigbatch.encoders.vision.VisionLanguageEncoder`."""
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .multivector import multivector_settings
 from .text import TextEncoder
 
 __all__ = ["load_encoder", "st_settings"]
@@ -128,6 +130,22 @@ def _attach_adapter(enc: Any, path: Path) -> Any:
     return enc
 
 
+def _load_multivector(path: Path, meta: dict[str, Any], settings: dict[str, Any]) -> Any:
+    """A PyLate-layout folder (bigbatch's or PyLate's): weights or an adapter, and the
+    projection."""
+    from .multivector import MultiVectorTextEncoder
+
+    if settings.get("pooling", "multivector") != "multivector":
+        raise ConfigError(f"{path} is a multi-vector (ColBERT) model; --pooling "
+                          f"{settings['pooling']} does not apply to it")
+    if _is_adapter(path, meta):
+        enc = _attach_adapter(MultiVectorTextEncoder(_adapter_base(path, meta), **settings),
+                              path)
+        enc.load_projection(path)
+        return enc
+    return MultiVectorTextEncoder(path, **settings)
+
+
 def _restore_doc_tower(enc: Any, meta: dict[str, Any]) -> None:
     if meta.get("doc_tower") == "base":
         enc.use_base_doc_tower(None if enc.is_lora else meta.get("doc_base_model"))
@@ -152,15 +170,18 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
 
     if is_vision_language_model(path):
         return _load_vision_language(path, meta, overrides)
-    settings = st_settings(path)
-    for key in ("pooling", "normalize", "max_length", "query_prefix", "doc_prefix"):
-        if key in meta:
-            settings[key] = meta[key]
     given = {k: v for k, v in overrides.items() if v is not None}
     vl_only = sorted(k for k in given if k in _VL_ONLY_KEYS)
     if vl_only:
         raise ConfigError(f"{vl_only} apply to vision-language models only; {path} is a text "
                           f"model")
+    multi = multivector_settings(path)
+    if multi is not None:
+        return _load_multivector(path, meta, {**multi, **given})
+    settings = st_settings(path)
+    for key in ("pooling", "normalize", "max_length", "query_prefix", "doc_prefix"):
+        if key in meta:
+            settings[key] = meta[key]
     settings.update(given)
     if _is_adapter(path, meta):
         enc = _attach_adapter(TextEncoder(_adapter_base(path, meta), **settings), path)

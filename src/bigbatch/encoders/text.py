@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from .base import EncoderBase, pool
 from .source import check_model_source, hub_load_errors, load_pretrained, model_reference
 
-__all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES"]
+__all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES", "check_texts"]
 
 POOLING_MODES = ("mean", "cls", "last")
 
@@ -66,7 +66,8 @@ def default_lora_targets(model_type: str) -> list[str]:
                       f"lora_target_modules (--lora-target-modules), e.g. q_proj,v_proj")
 
 
-def _check_texts(items: Sequence[Any]) -> None:
+def check_texts(items: Sequence[Any]) -> None:
+    """Raises ConfigError unless every item is a text (an image needs a vision-language model)."""
     bad = next((x for x in items if not isinstance(x, str)), None)
     if bad is not None:
         raise ConfigError(f"the text encoder got a {type(bad).__name__} document ({bad}); image "
@@ -171,7 +172,7 @@ class TextEncoder(EncoderBase):
     def step_inputs(self, items: Sequence[str], side: str,
                     max_length: int | None = None) -> dict[str, Tensor]:
         """What GradCache is given for one tower: the tokenized batch."""
-        _check_texts(items)
+        check_texts(items)
         return self.tokenize(items, side, max_length=max_length)
 
     def collate_fns(self) -> None:
@@ -196,7 +197,7 @@ class TextEncoder(EncoderBase):
         """Embed ``texts`` in batches (longest first, so padding is small); returns float32
         embeddings on the CPU in the input order. Documents go through the frozen document
         tower in query-side-tune mode."""
-        _check_texts(texts)
+        check_texts(texts)
         return self._encode(texts, side, batch_size, device, progress, autocast_dtype,
                             order=sorted(range(len(texts)), key=lambda i: -len(texts[i])),
                             make_batch=self.tokenize, unit="text")

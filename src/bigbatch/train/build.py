@@ -1,6 +1,6 @@
-"""Building a training run's parts from its configuration: the device, the encoder (text or
-vision-language, checked against the data and the model's positions), the loss, the
-optimizer and the GradCache engine with its towers and chunk sizes."""
+"""Building a training run's parts from its configuration: the device, the encoder (text, text
+multi-vector or vision-language, checked against the data and the model's positions), the
+loss, the optimizer and the GradCache engine with its towers and chunk sizes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from .. import distributed as D
 from ..cache import GradCache
 from ..errors import ConfigError
 from ..losses import CorpusInfoNCE, InfoNCE
+from ..maxsim import MaxSimInfoNCE
 from .config import TrainConfig, model_positions
 
 __all__ = ["DTYPES", "device_for", "build_encoder", "build_loss", "build_optimizer",
@@ -37,9 +38,9 @@ def _check_max_length(config: TrainConfig, model_config: Any) -> None:
                             getattr(model_config, "model_type", ""))
     if limit is None:
         return
-    for name in ("max_length", "query_max_length"):
+    for name in ("max_length", "query_max_length", "query_length"):
         value = getattr(config, name)
-        if value is not None and value > limit:
+        if value and value > limit:
             raise ConfigError(f"--{name.replace('_', '-')}: {value} is more than the "
                               f"{limit} positions {config.model} has")
 
@@ -65,14 +66,20 @@ def build_encoder(config: TrainConfig, records: list, lora_r: int) -> Any:
             raise ConfigError(f"{image.source}:{image.line}: the training data has image "
                               f"documents, but --model {config.model} is a text model; use a "
                               f"Qwen2-VL / Qwen2.5-VL / Qwen3-VL model")
-        enc = TextEncoder(config.model, pooling=config.pooling, max_length=config.max_length,
-                          query_prefix=config.query_prefix, doc_prefix=config.doc_prefix,
-                          lora_r=lora_r, lora_alpha=config.lora_alpha,
-                          lora_dropout=config.lora_dropout,
-                          lora_target_modules=config.lora_target_modules,
-                          gradient_checkpointing=config.gradient_checkpointing)
+        common = dict(max_length=config.max_length, query_prefix=config.query_prefix,
+                      doc_prefix=config.doc_prefix, lora_r=lora_r, lora_alpha=config.lora_alpha,
+                      lora_dropout=config.lora_dropout,
+                      lora_target_modules=config.lora_target_modules,
+                      gradient_checkpointing=config.gradient_checkpointing)
+        if config.pooling == "multivector":
+            enc = _multivector_encoder(config, common)
+        else:
+            enc = TextEncoder(config.model, pooling=config.pooling, **common)
         _check_max_length(config, enc.model.config)
         return enc
+    if config.pooling == "multivector":
+        raise ConfigError(f"--pooling multivector is for text models; {config.model} is a "
+                          f"vision-language model")
     from ..encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
 
     return VisionLanguageEncoder(
@@ -85,10 +92,27 @@ def build_encoder(config: TrainConfig, records: list, lora_r: int) -> Any:
         gradient_checkpointing=config.gradient_checkpointing)
 
 
+def _multivector_encoder(config: TrainConfig, common: dict[str, Any]) -> Any:
+    """The ColBERT-style text encoder: a multi-vector folder's own settings (markers,
+    masks), then the configuration's."""
+    from ..encoders.multivector import MultiVectorTextEncoder, multivector_settings
+
+    settings = multivector_settings(config.model) or {}
+    settings.update(common, dim=config.multivector_dim,
+                    query_length=config.query_length or settings.get("query_length"),
+                    query_expansion=config.query_length > 0)
+    return MultiVectorTextEncoder(config.model, **settings)
+
+
 def build_loss(config: TrainConfig, corpus: Any, device: torch.device) -> torch.nn.Module:
     """InfoNCE over the batch's documents, or with ``corpus`` (a
-    :class:`~bigbatch.train.corpus.FixedCorpus`) CorpusInfoNCE over its embeddings."""
+    :class:`~bigbatch.train.corpus.FixedCorpus`) CorpusInfoNCE over its embeddings; with
+    ``--pooling multivector``, MaxSimInfoNCE (scores divided by the query's token count, so
+    the temperature means what it means for one vector per text)."""
     learnable = not config.fixed_temperature
+    if config.pooling == "multivector":
+        return MaxSimInfoNCE(temperature=config.temperature, learnable_temperature=learnable,
+                             symmetric=config.symmetric, normalize_query=True).to(device)
     if corpus is not None:
         return CorpusInfoNCE(corpus.emb, temperature=config.temperature,
                              learnable_temperature=learnable).to(device)

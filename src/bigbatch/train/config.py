@@ -26,6 +26,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 MAX_LOGIT_SCALE = 100.0  # the learnable temperature is clamped to [1 / this, 1] (LogitScale)
 ENCODERS = ("auto", "text", "vision-language")
 MODES = ("standard", "query-side-tune")
+POOLINGS = ("mean", "cls", "last", "multivector")  # multivector: one vector per token (ColBERT)
 
 
 @dataclass
@@ -59,6 +60,8 @@ class TrainConfig:
     lora_target_modules: list[str] | None = None
     merge_lora: bool = False
     pooling: str = "mean"
+    multivector_dim: int = 128
+    query_length: int = 0
     max_length: int = 256
     query_max_length: int | None = None
     query_prefix: str = ""
@@ -145,8 +148,9 @@ class TrainConfig:
             raise bad("scheduler", "must be 'cosine' or 'constant'")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"must be one of {DTYPES}")
-        if self.pooling not in ("mean", "cls", "last"):
-            raise bad("pooling", "must be 'mean', 'cls' or 'last'")
+        if self.pooling not in POOLINGS:
+            raise bad("pooling", "must be 'mean', 'cls', 'last' or 'multivector'")
+        self._validate_multivector(bad)
         if self.encoder not in ENCODERS:
             raise bad("encoder", f"must be one of {ENCODERS}")
         if self.mode not in MODES:
@@ -178,6 +182,24 @@ class TrainConfig:
         if metric not in METRIC_NAMES:
             raise bad("best_metric", f"must be one of {METRIC_NAMES} (optionally 'unseen/...')")
         return self
+
+    def _validate_multivector(self, bad: Any) -> None:
+        """The options of ``--pooling multivector`` (late interaction, text models)."""
+        if self.multivector_dim <= 0:
+            raise bad("multivector_dim", "must be > 0")
+        if self.query_length < 0 or self.query_length == 1:
+            raise bad("query_length", "must be 0 (off) or > 1 (a marker and a token)")
+        if self.pooling != "multivector":
+            if self.query_length:
+                raise bad("query_length", "applies to --pooling multivector only")
+            return
+        if self.mode != "standard":
+            raise bad("mode", "--pooling multivector trains both towers: 'standard' only")
+        if self.encoder == "vision-language":
+            raise bad("encoder", "--pooling multivector is for text models")
+        if self.query_length and self.query_max_length is not None:
+            raise ConfigError("--query-max-length does not apply with --query-length (queries "
+                              "are padded and cut to --query-length tokens)")
 
     @property
     def full_finetune(self) -> bool:
@@ -383,6 +405,10 @@ def _model_defaults(values: dict[str, Any]) -> dict[str, Any]:
         except ValueError as e:
             raise ConfigError(f"{meta}: not valid JSON: {e}") from e
         return {**{k: found[k] for k in _VL_KEYS if found.get(k) is not None}, **values}
+    multi = _multivector_defaults(Path(model))
+    if multi is not None:  # (another --pooling: the transformer alone, pooled as asked)
+        return {**multi, **values} if values.get("pooling", "multivector") == "multivector" \
+            else values
     if all(k in values for k in _ST_KEYS):
         return values
     try:
@@ -396,6 +422,19 @@ def _model_defaults(values: dict[str, Any]) -> dict[str, Any]:
         if positions is not None and positions < TrainConfig.max_length:
             out["max_length"] = positions
     return out
+
+
+def _multivector_defaults(model: Path) -> dict[str, Any] | None:
+    """The options a multi-vector (PyLate-layout) folder gives, or None for another folder."""
+    from ..encoders.multivector import multivector_settings
+
+    found = multivector_settings(model)
+    if found is None:
+        return None
+    return {"pooling": "multivector", "multivector_dim": found["dim"],
+            "max_length": found["max_length"], "query_prefix": found["query_prefix"],
+            "doc_prefix": found["doc_prefix"],
+            "query_length": found["query_length"] if found["query_expansion"] else 0}
 
 
 def model_positions(max_position_embeddings: Any, model_type: Any) -> int | None:
