@@ -1,6 +1,6 @@
 """Contrastive losses for embedding training: InfoNCE with hard negatives, a learnable
-temperature, false-negative masking, and a streamed computation whose memory is
-O(block x N) instead of O(B x N).
+temperature, false-negative masking, streamed by default: the logits are computed in row
+blocks of bounded size (:mod:`bigbatch.blockwise`), so memory is O(block x N), not O(B x N).
 
 Layout of a batch (the same everywhere in bigbatch): ``B`` queries and ``B * (1 + k)``
 documents laid out ``[pos_0, neg_0_1 .. neg_0_k, pos_1, neg_1_1 .. neg_1_k, ...]``;
@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from .blockwise import (MAX_BLOCK_LOGITS, STATS, Exclusions, check_blocking, cross_entropy_sum,
+                        rows_per_block)
 from .errors import ConfigError, ShapeError
 
 if TYPE_CHECKING:
@@ -35,10 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LogitScale", "InfoNCE", "CorpusInfoNCE", "LossOutput", "PartialLoss",
            "hard_negative_count"]
-
-# Order of the statistics each block returns (sums and counts, reduced at the end).
-_STATS = ("pos_sum", "correct", "neg_sum", "neg_n", "inb_sum", "inb_n", "hard_sum", "hard_n")
-
 
 class PartialLoss(NamedTuple):
     """A rank's part of a global loss: ``part`` (backpropagated on this rank; the parts of all
@@ -147,46 +144,6 @@ def _ids_tensor(ids: Tensor | Sequence[Hashable], n: int, device: torch.device, 
     return out
 
 
-def _block(rows: Tensor, cols: Tensor, pos: Tensor, scale: Tensor, group: int,
-           col_ids: Tensor | None, row_ids: Tensor | None, margin: float | None,
-           with_stats: bool) -> tuple[Tensor, Tensor]:
-    """Cross-entropy summed over a block of rows, and the block's metric sums.
-
-    ``rows`` (b, D) are scored against all ``cols`` (N, D); ``pos`` (b,) holds each row's
-    positive column. Row r's own group is columns [pos_r, pos_r + group).
-    """
-    sim = rows @ cols.T  # (b, N)
-    n_cols = cols.shape[0]
-    col_idx = torch.arange(n_cols, device=sim.device)
-    is_pos = col_idx[None, :] == pos[:, None]
-    pos_sim = sim.gather(1, pos[:, None])  # (b, 1)
-    with torch.no_grad():
-        mask = torch.zeros_like(is_pos)
-        if col_ids is not None:
-            mask |= (col_ids[None, :] == row_ids[:, None]) & ~is_pos
-        if margin is not None:
-            mask |= (sim.detach() > pos_sim.detach() + margin) & ~is_pos
-    logits = (sim * scale).masked_fill(mask, float("-inf"))
-    loss_sum = (torch.logsumexp(logits, dim=1) - pos_sim.squeeze(1) * scale).sum()
-    if not with_stats:
-        return loss_sum, sim.new_zeros(())
-    with torch.no_grad():
-        s = sim.detach()
-        neg = ~is_pos & ~mask
-        own = (col_idx[None, :] >= pos[:, None]) & (col_idx[None, :] < pos[:, None] + group)
-        inb = neg & ~own
-        hard = neg & own
-        correct = (logits.detach().argmax(dim=1) == pos).sum()
-        zero = s.new_zeros(())
-        stats = torch.stack([
-            pos_sim.detach().sum(), correct.to(s.dtype),
-            torch.where(neg, s, zero).sum(), neg.sum().to(s.dtype),
-            torch.where(inb, s, zero).sum(), inb.sum().to(s.dtype),
-            torch.where(hard, s, zero).sum(), hard.sum().to(s.dtype),
-        ])
-    return loss_sum, stats
-
-
 class InfoNCE(nn.Module):
     """InfoNCE (multiple-negatives ranking) loss with in-batch and hard negatives.
 
@@ -200,10 +157,16 @@ class InfoNCE(nn.Module):
         false_negative_margin: if set, mask a negative whose similarity exceeds the
             positive's similarity plus this margin (ms-swift's fake-negative rule uses 0.1).
             The selection is made on detached similarities.
-        block_size: if set, stream the loss over blocks of this many rows: each block's
-            ``block x N`` logits are recomputed in the backward pass instead of stored, so
-            peak memory is O(block x N), not O(B x N). Results equal the dense computation
-            to round-off.
+        block_size: rows per block of the streamed loss. None (the default): chosen so that
+            a block holds at most ``max_block_logits`` logits, i.e.
+            ``max(1, max_block_logits // N)`` rows against ``N`` columns. Each block's
+            logits exist only while it is computed and are recomputed, one block at a time,
+            in the backward pass, so peak memory is O(block x N), not O(B x N). 0: the
+            dense computation (the same as ``dense=True``). Results equal the dense
+            computation to round-off.
+        dense: compute all ``B x N`` logits at once through autograd (the reference).
+        max_block_logits: bound on one automatic block's logits (default 2**22 = 4,194,304,
+            16 MiB in float32).
 
     Inputs (``loss_fn(query=q, doc=d, doc_ids=None)``):
         query: ``(B, D)`` query embeddings.
@@ -234,10 +197,10 @@ class InfoNCE(nn.Module):
     def __init__(self, temperature: float = 0.07, learnable_temperature: bool = True,
                  symmetric: bool = False, max_scale: float = 100.0,
                  false_negative_margin: float | None = None,
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None, dense: bool = False,
+                 max_block_logits: int = MAX_BLOCK_LOGITS) -> None:
         super().__init__()
-        if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
-            raise ConfigError(f"block_size must be a positive integer or None, got {block_size!r}")
+        check_blocking(block_size, dense, max_block_logits)
         if false_negative_margin is not None and not math.isfinite(false_negative_margin):
             raise ConfigError(f"false_negative_margin must be a finite number, got "
                               f"{false_negative_margin!r}")
@@ -246,6 +209,8 @@ class InfoNCE(nn.Module):
         self.symmetric = symmetric
         self.false_negative_margin = false_negative_margin
         self.block_size = block_size
+        self.dense = dense
+        self.max_block_logits = max_block_logits
 
     def clamp_(self) -> "InfoNCE":
         """Clamp the logit scale into its bounds; call after ``optimizer.step()``."""
@@ -259,29 +224,11 @@ class InfoNCE(nn.Module):
     def _direction(self, rows: Tensor, cols: Tensor, pos: Tensor, scale: Tensor, group: int,
                    col_ids: Tensor | None, row_ids: Tensor | None,
                    with_stats: bool) -> tuple[Tensor, Tensor]:
-        """Sum of the per-row losses and stats of one direction, dense or streamed."""
-        n = rows.shape[0]
-        bs = self.block_size
-        if bs is None or bs >= n:
-            return _block(rows, cols, pos, scale, group, col_ids, row_ids,
-                          self.false_negative_margin, with_stats)
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (rows, cols, scale))
-        total: Tensor | None = None
-        stats: Tensor | None = None
-        for lo in range(0, n, bs):
-            hi = min(lo + bs, n)
-            r_ids = None if row_ids is None else row_ids[lo:hi]
-            args = (rows[lo:hi], cols, pos[lo:hi], scale, group, col_ids, r_ids,
-                    self.false_negative_margin, with_stats)
-            if needs_grad:
-                part, st = checkpoint(_block, *args, use_reentrant=False,
-                                      preserve_rng_state=False)
-            else:
-                part, st = _block(*args)
-            total = part if total is None else total + part
-            stats = st if stats is None else stats + st
-        return total, stats
+        """Sum of the per-row losses and stats of one direction, streamed or dense."""
+        block = rows_per_block(cols.shape[0], self.block_size, self.dense, self.max_block_logits)
+        exclude = Exclusions(col_ids=col_ids, row_ids=row_ids, margin=self.false_negative_margin)
+        return cross_entropy_sum(rows, cols, pos, scale, block=block, group=group,
+                                 exclude=exclude, with_stats=with_stats)
 
     def _compute(self, q_all: Tensor, d_all: Tensor, q_lo: int, b_local: int, d_lo: int,
                  b_total: int, k: int, ids_all: Tensor | None,
@@ -309,7 +256,7 @@ class InfoNCE(nn.Module):
     @staticmethod
     def _metrics(st: Tensor, scale: Tensor, b_total: int, n_total: int,
                  k: int) -> dict[str, Tensor]:
-        stats = dict(zip(_STATS, st.unbind()))
+        stats = dict(zip(STATS, st.unbind()))
         pos_sim = stats["pos_sum"] / b_total
         neg_sim = stats["neg_sum"] / stats["neg_n"].clamp_min(1)
         metrics = {
@@ -404,7 +351,7 @@ class InfoNCE(nn.Module):
             failure = e
             dtype = torch.promote_types(torch.promote_types(q_all.dtype, d_all.dtype),
                                         torch.float32)
-            stats = torch.zeros(1 + len(_STATS), dtype=dtype, device=dev)
+            stats = torch.zeros(1 + len(STATS), dtype=dtype, device=dev)
         summed = gathered.all_reduce_sum(stats, failure)
         metrics = self._metrics(summed[1:], scale, sum(bq), sum(nd), k)
         return PartialLoss(part, summed[0], metrics)
@@ -420,6 +367,8 @@ class CorpusInfoNCE(nn.Module):
         corpus: ``(N, dim)`` document embeddings (constant; kept as a plain attribute, not
             saved with the loss's state).
         temperature, learnable_temperature, max_scale: as in :class:`InfoNCE`.
+        block_size, dense, max_block_logits: as in :class:`InfoNCE`; by default the queries
+            are scored against the corpus in blocks of at most ``max_block_logits`` logits.
 
     Inputs:
         query: ``(B, dim)`` query embeddings.
@@ -443,14 +392,20 @@ class CorpusInfoNCE(nn.Module):
     """
 
     def __init__(self, corpus: Tensor, temperature: float = 0.07,
-                 learnable_temperature: bool = True, max_scale: float = 100.0) -> None:
+                 learnable_temperature: bool = True, max_scale: float = 100.0,
+                 block_size: int | None = None, dense: bool = False,
+                 max_block_logits: int = MAX_BLOCK_LOGITS) -> None:
         super().__init__()
+        check_blocking(block_size, dense, max_block_logits)
         if corpus.dim() != 2 or corpus.shape[0] == 0:
             raise ShapeError(f"corpus must be a non-empty (N, dim) tensor, got shape "
                              f"{tuple(corpus.shape)}")
         self.corpus = corpus.detach()
         self.logit_scale = LogitScale(temperature, max_scale=max_scale,
                                       learnable=learnable_temperature)
+        self.block_size = block_size
+        self.dense = dense
+        self.max_block_logits = max_block_logits
 
     def clamp_(self) -> "CorpusInfoNCE":
         self.logit_scale.clamp_()
@@ -495,29 +450,17 @@ class CorpusInfoNCE(nn.Module):
         """Sum over ``query``'s rows of the cross-entropy, the detached metric sums
         (positive similarity, correct, negative similarity, negatives, masked) and the scale."""
         corpus = self.corpus.to(device=query.device, dtype=query.dtype)
-        sims = query @ corpus.T
         scale = self.logit_scale()
-        logits = sims * scale
-        masked = 0
         pairs = self._pairs(other_positives, query.shape[0], query.device)
+        masked = 0
         if pairs is not None:
-            keep = pairs[:, 1] != target[pairs[:, 0]]
-            pairs = pairs[keep]
-            logits = logits.index_put((pairs[:, 0], pairs[:, 1]),
-                                      torch.tensor(float("-inf"), dtype=logits.dtype,
-                                                   device=logits.device))
+            pairs = pairs[pairs[:, 1] != target[pairs[:, 0]]]
             masked = pairs.shape[0]
-        loss_sum = nn.functional.cross_entropy(logits, target, reduction="sum")
-        with torch.no_grad():
-            b = query.shape[0]
-            pos = sims.gather(1, target[:, None]).squeeze(1)
-            neg_mask = torch.isfinite(logits)
-            neg_mask[torch.arange(b, device=query.device), target] = False
-            # counts and sums at least in float32: float16 would overflow at 65,504
-            acc = torch.promote_types(sims.dtype, torch.float32)
-            st = torch.stack([pos.to(acc).sum(), (logits.argmax(1) == target).to(acc).sum(),
-                              (sims.to(acc) * neg_mask).sum(), neg_mask.sum().to(acc),
-                              torch.tensor(float(masked), dtype=acc, device=sims.device)])
+        block = rows_per_block(corpus.shape[0], self.block_size, self.dense,
+                               self.max_block_logits)
+        loss_sum, st = cross_entropy_sum(query, corpus, target, scale, block=block,
+                                         exclude=Exclusions(pairs=pairs))
+        st = torch.cat([st[:4], st.new_full((1,), float(masked))])  # pos, correct, neg, n, masked
         return loss_sum, st, scale
 
     @staticmethod

@@ -103,12 +103,14 @@ def test_margin_false_negative_masking():
     assert result.metrics["masked"].item() > 0
 
 
+@pytest.mark.parametrize("blocks", [{"block_size": 2}, {"max_block_logits": 40}],
+                         ids=["block_size=2", "automatic"])
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_streamed_loss_equals_dense_reference(symmetric):
+def test_streamed_loss_equals_dense_reference(symmetric, blocks):
     q_tower, d_tower = make_towers(shared=False)
-    streamed = bb.InfoNCE(temperature=0.1, symmetric=symmetric, block_size=2).to(DT)
+    streamed = bb.InfoNCE(temperature=0.1, symmetric=symmetric, **blocks).to(DT)
     dense = copy.deepcopy(streamed)
-    dense.block_size = None
+    dense.block_size, dense.dense = None, True
     inputs = {"query": token_batch(B + 1), "doc": token_batch((B + 1) * 2)}
     doc_ids = torch.arange((B + 1) * 2)
     doc_ids[5] = 0

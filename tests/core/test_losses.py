@@ -144,7 +144,7 @@ def test_streaming_bounds_memory_of_saved_tensors():
     q.requires_grad_()
     d.requires_grad_()
     sizes = {}
-    for block in (None, 8):
+    for block in (0, 8, None):  # dense, streamed, streamed in automatic blocks
         saved = []
 
         def pack(t):
@@ -155,8 +155,9 @@ def test_streaming_bounds_memory_of_saved_tensors():
             loss, _ = bb.InfoNCE(block_size=block).to(DT)(query=q, doc=d)
         sizes[block] = max(saved)
         loss.backward()
-    assert sizes[None] >= 64 * 64
+    assert sizes[0] >= 64 * 64
     assert sizes[8] < 64 * 64 // 4
+    assert sizes[None] < 64 * 64 // 4
 
 
 def test_learnable_temperature_owns_exactly_one_parameter():
@@ -221,8 +222,13 @@ def test_k_inference_and_errors():
         bb.InfoNCE()(query=torch.randn(3, 4), doc=torch.randn(3, 5))
     with pytest.raises(ShapeError, match="doc_ids"):
         bb.InfoNCE()(query=torch.randn(3, 4), doc=torch.randn(3, 4), doc_ids=[1, 2])
-    with pytest.raises(ConfigError, match="block_size"):
-        bb.InfoNCE(block_size=0)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ConfigError, match="block_size"):
+            bb.InfoNCE(block_size=bad)
+    with pytest.raises(ConfigError, match="dense=True"):
+        bb.InfoNCE(block_size=4, dense=True)
+    with pytest.raises(ConfigError, match="max_block_logits"):
+        bb.CorpusInfoNCE(torch.randn(3, 4), max_block_logits=0)
     with pytest.raises(ConfigError, match="temperature"):
         bb.InfoNCE(temperature=0)
 
@@ -247,3 +253,108 @@ def test_corpus_infonce_checks_other_positives():
         loss(torch.randn(3, 4), torch.arange(3), other_positives=torch.tensor([[0, 5]]))
     with pytest.raises(bb.ShapeError, match=r"must be \(M, 2\)"):
         loss(torch.randn(3, 4), torch.arange(3), other_positives=torch.tensor([0, 1, 2]))
+
+
+def loss_and_grads(fn, q, d, **kwargs):
+    """Loss, metrics and the gradients of the query, document and temperature."""
+    qq, dd = q.clone().requires_grad_(), d.clone().requires_grad_()
+    loss, metrics = fn(query=qq, doc=dd, **kwargs)
+    loss.backward()
+    return loss.detach(), metrics, [qq.grad, dd.grad, fn.logit_scale.log_scale.grad]
+
+
+def assert_same(got, ref):
+    (l1, m1, g1), (l2, m2, g2) = got, ref
+    assert torch.allclose(l1, l2, rtol=1e-13, atol=0)
+    for a, b in zip(g1, g2):
+        assert torch.allclose(a, b, rtol=1e-11, atol=1e-15)
+    assert m1.keys() == m2.keys()
+    for key in m1:
+        assert torch.allclose(m1[key], m2[key], rtol=1e-12, atol=1e-15), key
+
+
+@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("masks", ["none", "ids", "margin"])
+def test_automatic_blocks_equal_dense_in_float64(k, symmetric, masks):
+    """block_size=None streams in blocks of max_block_logits // N rows (here 2 rows against
+    the documents, 5 against the queries when symmetric): the same loss, gradients, metrics."""
+    q, d = embeddings(9, k)
+    n = d.shape[0]
+    opts = {"symmetric": symmetric, "temperature": 0.1}
+    kwargs = {}
+    if masks == "ids":
+        ids = torch.arange(n)
+        ids[(1 + k) * 2] = 0          # query 2's positive is query 0's positive passage
+        ids[-1] = 1 + k               # a document equal to query 1's positive
+        kwargs["doc_ids"] = ids
+    if masks == "margin":
+        opts["false_negative_margin"] = -0.3
+    dense = bb.InfoNCE(dense=True, **opts).to(DT)
+    auto = bb.InfoNCE(max_block_logits=2 * n + 1, **opts).to(DT)
+    got, ref = loss_and_grads(auto, q, d, **kwargs), loss_and_grads(dense, q, d, **kwargs)
+    assert_same(got, ref)
+    if masks != "none":
+        assert ref[1]["masked"].item() > 0
+    assert_same(loss_and_grads(bb.InfoNCE(block_size=0, **opts).to(DT), q, d, **kwargs), ref)
+
+
+def test_corpus_automatic_blocks_equal_dense_in_float64():
+    corpus = F.normalize(torch.randn(30, 8, dtype=DT), dim=-1)
+    q = F.normalize(torch.randn(7, 8, dtype=DT), dim=-1)
+    target = torch.tensor([0, 3, 5, 9, 3, 29, 11])
+    others = torch.tensor([[0, 1], [2, 4], [6, 12], [6, 11], [3, 3]])  # last: excluded twice
+    out = []
+    for fn in (bb.CorpusInfoNCE(corpus, dense=True), bb.CorpusInfoNCE(corpus, max_block_logits=65)):
+        fn = fn.to(DT)
+        qq = q.clone().requires_grad_()
+        loss, metrics = fn(qq, target, others)
+        loss.backward()
+        out.append((loss.detach(), metrics, [qq.grad, fn.logit_scale.log_scale.grad]))
+    assert_same(out[1], out[0])
+    assert out[0][1]["masked"].item() == 4  # the pair naming a positive is no exclusion
+
+
+def test_automatic_block_rule():
+    from bigbatch.blockwise import MAX_BLOCK_LOGITS, rows_per_block
+
+    assert MAX_BLOCK_LOGITS == 2 ** 22
+    for n in (1, 100, 4096, 16384, 3 * 10 ** 5):
+        rows = rows_per_block(n, None)
+        assert rows * n <= MAX_BLOCK_LOGITS and (rows + 1) * n > MAX_BLOCK_LOGITS
+    assert rows_per_block(16384, None) == 256
+    assert rows_per_block(10 ** 7, None) == 1  # one row, even when it holds more
+    assert rows_per_block(50, None, max_block_logits=120) == 2
+    assert rows_per_block(50, 7) == 7
+    assert rows_per_block(50, 0) is None and rows_per_block(50, None, dense=True) is None
+
+
+def test_automatic_blocks_bound_every_tensor_of_forward_and_backward():
+    """No tensor made in the forward or backward pass (the streamed loss's custom backward
+    included) holds more than max_block_logits entries; the dense loss makes B x N ones."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    q, d = embeddings(40, 2, dim=4)  # N = 120 documents: rows and columns hold <= 480
+    ids = torch.arange(120)
+    ids[5] = 0
+    for opts, bound in (({"max_block_logits": 500}, 500), ({"dense": True}, None)):
+        fn = bb.InfoNCE(symmetric=True, false_negative_margin=0.2, **opts).to(DT)
+        qq, dd = q.clone().requires_grad_(), d.clone().requires_grad_()
+        with Largest() as mode:
+            loss, _ = fn(query=qq, doc=dd, doc_ids=ids)
+            loss.backward()
+        if bound is None:
+            assert mode.numel >= 40 * 120
+        else:
+            assert 0 < mode.numel <= bound

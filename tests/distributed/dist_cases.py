@@ -69,7 +69,7 @@ def zero(*modules):
 
 def run_engine_case(*, k=0, sizes=(4, 4), symmetric=False, learnable=True, shared=True,
                     ddp=False, subsets=False, ids=False, generic_loss=False, cross_device=True,
-                    fsdp=False, block_size=None):
+                    fsdp=False, block_size=None, max_block_logits=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     if subsets:
@@ -81,8 +81,9 @@ def run_engine_case(*, k=0, sizes=(4, 4), symmetric=False, learnable=True, share
         d_model = q_model if shared else TokenTower(p=0.1).to(DT)
         extra = ({}, {})
     modules = [q_model] if q_model is d_model else [q_model, d_model]
+    blocks = {} if max_block_logits is None else {"max_block_logits": max_block_logits}
     loss_fn = bb.InfoNCE(temperature=0.1, learnable_temperature=learnable, symmetric=symmetric,
-                         block_size=block_size).to(DT)
+                         block_size=block_size, **blocks).to(DT)
 
     if generic_loss:
         def loss_used(query, doc):  # a user's loss without the cross-device protocol
@@ -174,6 +175,7 @@ def run_engine_case(*, k=0, sizes=(4, 4), symmetric=False, learnable=True, share
                 "reduce_scatters": len(rs_calls), "fsdp_modules": n_fsdp,
                 "fsdp_grads": {k: v.tolist() for k, v in got.items()}}
     zero(*modules, loss_fn)
+    loss_fn.block_size, loss_fn.dense = None, True  # the reference: all logits at once
     ref_q, ref_d = [], []
     for r in range(world):
         torch.manual_seed(100 + r)
@@ -251,6 +253,7 @@ def case_corpus_cross_device():
         torch.manual_seed(100 + r)
         ref_q += [model(**c) for c in trimmed_chunks(queries[r], CHUNK)]
     ref_others = torch.cat([others[0], others[1] + torch.tensor([sizes[0], 0])])
+    loss_fn.dense = True  # the reference: all logits at once
     ref_loss, ref_metrics = loss_fn(torch.cat(ref_q), torch.cat(targets), ref_others)
     ref_loss.backward()
     ref = grads_of(model, loss_fn)
@@ -418,6 +421,9 @@ CASES = {
     "plain_k2_separate": lambda: run_engine_case(k=2, shared=False),
     "symmetric_k2_ids": lambda: run_engine_case(k=2, symmetric=True, ids=True),
     "symmetric_k0_streamed": lambda: run_engine_case(k=0, symmetric=True, block_size=2),
+    # automatic blocks: 30 // 24 = 1 row against the documents, 30 // 8 = 3 against the queries
+    "auto_blocks_k2_symmetric_ids": lambda: run_engine_case(k=2, sizes=(5, 3), symmetric=True,
+                                                            ids=True, max_block_logits=30),
     "fixed_temperature_k2": lambda: run_engine_case(k=2, learnable=False),
     "ddp_k2": lambda: run_engine_case(k=2, ddp=True),
     "ddp_separate_k0_symmetric": lambda: run_engine_case(k=0, ddp=True, shared=False,

@@ -32,6 +32,7 @@ def record(res):
 
 
 EXACT = ["plain_k0_shared", "plain_k2_separate", "symmetric_k2_ids", "symmetric_k0_streamed",
+         "auto_blocks_k2_symmetric_ids",
          "fixed_temperature_k2", "ddp_k2", "ddp_separate_k0_symmetric", "subsets_plain",
          "subsets_ddp", "ragged_k1", "ragged_ddp_k2", "generic_loss_k1", "no_cross_device_k1",
          "corpus_cross_device"]
