@@ -117,11 +117,11 @@ class Exclusions:
         return mask
 
 
-def _stats_(sim: Tensor, logits: Tensor, pos: Tensor, pos_sim: Tensor, group: int,
+def _stats_(sim: Tensor, pos: Tensor, pos_sim: Tensor, group: int,
             mask: Tensor | None) -> Tensor:
-    """The :data:`STATS` sums of one block, in at least float32. Works in place on ``sim``
-    (excluded entries are left at zero, the rest restored); ``logits`` may be ``sim``
-    itself, scaled and masked only after this call: its argmax is taken by the caller."""
+    """The :data:`STATS` sums of one block, in at least float32, but ``correct`` (left at
+    zero: the caller takes the logits' argmax). Works in place on ``sim``, with no further
+    ``block x N`` tensor: excluded entries are left at zero, the others restored."""
     acc = torch.promote_types(sim.dtype, torch.float32)
     b, n = sim.shape
     own_idx = pos[:, None] + torch.arange(group, device=sim.device)
@@ -163,7 +163,7 @@ def _dense(rows: Tensor, cols: Tensor, pos: Tensor, scale: Tensor, group: int,
     if not with_stats:
         return loss_sum, sim.new_zeros(len(STATS), dtype=acc)
     with torch.no_grad():
-        st = _stats_(sim.detach().clone(), logits, pos, pos_sim.detach(), group, mask)
+        st = _stats_(sim.detach().clone(), pos, pos_sim.detach(), group, mask)
         st[1] = _correct(logits.detach(), pos, acc)
     return loss_sum, st
 
@@ -193,7 +193,7 @@ class _Streamed(torch.autograd.Function):
             sim = rows[lo:hi] @ cols.T
             pos_sim = sim.gather(1, p[:, None]).squeeze(1)
             mask = exclude.mask(sim, p, pos_sim, lo, hi)
-            st = _stats_(sim, sim, p, pos_sim, group, mask) if with_stats else None
+            st = _stats_(sim, p, pos_sim, group, mask) if with_stats else None
             logits = _logits_(sim, scale, mask)
             if st is not None:
                 st[1] = _correct(logits, p, acc)
