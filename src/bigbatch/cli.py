@@ -51,6 +51,9 @@ _HELP = {
     "warmup_steps": "steps of linear warmup from 0 to --lr",
     "fixed_temperature": "keep the temperature fixed instead of learning it",
     "symmetric": "add the document-to-query direction to the loss",
+    "loss_block_size": "query rows per block of the streamed loss (default: automatic, at most "
+                       "2**22 logits a block, so the batch x documents logits never exist at "
+                       "once; 0: the dense loss, all logits at once)",
     "lora_dropout": "dropout on the LoRA adapter's input",
     "pooling": "mean, cls or last (token): how token embeddings become one",
     "max_length": "tokens per text at most (cut to the model's positions when it has fewer)",

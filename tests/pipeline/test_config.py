@@ -176,3 +176,21 @@ def test_a_home_relative_path_in_yaml_is_expanded(tmp_path, monkeypatch):
     c = load_config(str(cfg), {})
     assert (c.model, c.train_data, c.output_dir) == \
         (str(tmp_path / "m"), str(tmp_path / "data.jsonl"), str(tmp_path / "runs" / "x"))
+
+
+@pytest.mark.parametrize("flag, block_size, dense", [(None, None, False), (0, None, True),
+                                                      (256, 256, False)])
+def test_loss_block_size_reaches_the_loss(flag, block_size, dense):
+    """--loss-block-size: unset streams in automatic blocks, 0 is the dense loss."""
+    import torch
+
+    from bigbatch.train.build import build_loss
+
+    config = TrainConfig(model="m", train_data="d", loss_block_size=flag)
+    loss = build_loss(config, None, torch.device("cpu"))
+    assert (loss.block_size, loss.dense) == (block_size, dense)
+
+
+def test_loss_block_size_must_not_be_negative():
+    with pytest.raises(ConfigError, match="--loss-block-size: must be >= 0"):
+        TrainConfig(model="m", train_data="d", loss_block_size=-1).validate()

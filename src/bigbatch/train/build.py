@@ -112,12 +112,15 @@ def build_loss(config: TrainConfig, corpus: Any, device: torch.device) -> torch.
     learnable = not config.fixed_temperature
     if config.pooling == "multivector":
         return MaxSimInfoNCE(temperature=config.temperature, learnable_temperature=learnable,
-                             symmetric=config.symmetric, normalize_query=True).to(device)
+                             symmetric=config.symmetric, normalize_query=True,
+                             block_size=config.loss_block_size or None).to(device)
+    # --loss-block-size: unset is automatic (bounded blocks), 0 the dense loss
+    blocks = {"block_size": config.loss_block_size or None, "dense": config.loss_block_size == 0}
     if corpus is not None:
         return CorpusInfoNCE(corpus.emb, temperature=config.temperature,
-                             learnable_temperature=learnable).to(device)
+                             learnable_temperature=learnable, **blocks).to(device)
     return InfoNCE(temperature=config.temperature, learnable_temperature=learnable,
-                   symmetric=config.symmetric).to(device)
+                   symmetric=config.symmetric, **blocks).to(device)
 
 
 def build_optimizer(config: TrainConfig, model_params: list[torch.nn.Parameter],

@@ -53,6 +53,7 @@ class TrainConfig:
     temperature: float = 0.07
     fixed_temperature: bool = False
     symmetric: bool = False
+    loss_block_size: int | None = None
     num_hard_negatives: int = 0
     lora_r: int = 32
     lora_alpha: int = 32
@@ -120,6 +121,8 @@ class TrainConfig:
                 raise bad(name, "must be >= 0")
         if self.query_grad_cache_chunk is not None and self.query_grad_cache_chunk <= 0:
             raise bad("query_grad_cache_chunk", "must be > 0")
+        if self.loss_block_size is not None and self.loss_block_size < 0:
+            raise bad("loss_block_size", "must be >= 0 (0: the dense loss; unset: automatic)")
         if self.max_steps <= 0 and not self.epochs:
             raise bad("max_steps", "must be > 0 (or give --epochs)")
         if self.epochs is not None and self.epochs <= 0:
