@@ -388,7 +388,7 @@ class CorpusInfoNCE(nn.Module):
 
     References:
         van den Oord et al., "Representation Learning with Contrastive Predictive Coding"
-        (2018); the query-side-tune mode of the seed pipeline (``001_``).
+        (2018); the query-side-tune mode of Qwen3-VL-Embedding's training pipeline.
     """
 
     def __init__(self, corpus: Tensor, temperature: float = 0.07,

@@ -13,7 +13,7 @@ anything on the machine. Reading one must give an answer, never hang or exhaust 
   hold at most :data:`MAX_IMAGE_BYTES` (256 MiB; Pillow's decompression-bomb limit bounds
   its pixels).
 - Confinement (``--data-root DIR``, :class:`~bigbatch.train.TrainConfig` ``data_root``):
-  by default data may name any file the user can read, as the seed pipeline allows; with a
+  by default data may name any file the user can read, as Qwen3-VL-Embedding's training pipeline allows; with a
   data root, a path that resolves (symbolic links and ``..`` followed) outside that folder
   is refused (:func:`outside_root`).
 

@@ -139,7 +139,7 @@ def _positive_copies(corpus_path: Path, positive_ids: set[str]) -> dict[str, str
 
 def _record(query: str, qid: str, pid: str, negs: list[str], docs: dict[str, Any],
             folder: Path) -> dict[str, Any]:
-    """One output line: texts as ``positive``/``negatives``, page images as the seed's
+    """One output line: texts as ``positive``/``negatives``, page images as Qwen3-VL-Embedding's
     ``chunk_path``/``neg_chunk_paths`` (relative to the output's folder, as the reader
     resolves them); ``negative_ids`` in the order the reader lists negatives (image paths,
     then texts)."""

@@ -7,7 +7,7 @@ evaluation) runs end to end on a CPU.
 
 writes a BEIR directory whose ``corpus.jsonl`` records carry ``"image": "images/<id>.png"``
 (the text is kept for reference), the queries and qrels of the rendered documents, and a
-seed-format ``train.jsonl`` (``query``, ``chunk_path``, ``neg_chunk_paths``). Rendering into
+contrastors-format ``train.jsonl`` (``query``, ``chunk_path``, ``neg_chunk_paths``). Rendering into
 an existing folder reuses a page only when it was drawn from the same title, text and
 settings (``images/manifest.json`` records what each page was drawn from).
 """

@@ -2,7 +2,7 @@
 
 A record is one query, one positive document and zero or more negatives. Files may be in any
 file format of :mod:`bigbatch.data.formats` (detected); JSONL files usually use
-the seed pipeline's keys (``query``; the positive as ``positive`` text or ``chunk_path``,
+Qwen3-VL-Embedding's training pipeline's keys (``query``; the positive as ``positive`` text or ``chunk_path``,
 a path to a text file or a page image; negatives as ``negatives`` texts or
 ``neg_chunk_paths``). Relative paths resolve against the JSONL file's folder. Image paths
 become :class:`~bigbatch.data.types.ImageDoc` documents, opened only when their chunk is
@@ -143,7 +143,7 @@ def resolve_record(r: Record, problems: list[Problem], data_root: str | Path | N
 def load_jsonl_records(path: str | Path, split: str = "train",
                        data_root: str | Path | None = None) -> list[TrainRecord]:
     """Load and validate a file of training records in any file format of
-    :mod:`bigbatch.data.formats` (the seed's ``contrastors`` JSONL, ms-swift's ``swift``
+    :mod:`bigbatch.data.formats` (Qwen3-VL-Embedding's ``contrastors`` JSONL, ms-swift's ``swift``
     JSONL, sentence-transformers ``st`` JSONL or Parquet; detected from the file), then read
     or check each document file (only inside ``data_root``, when given).
 

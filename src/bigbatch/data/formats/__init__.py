@@ -4,7 +4,7 @@
 Formats (``--from`` / ``--to`` names), one module each, registered in one table of how each
 is detected, read and written:
 
-- ``contrastors`` (:mod:`.contrastors`): the seed pipeline's JSONL, documents as files
+- ``contrastors`` (:mod:`.contrastors`): Qwen3-VL-Embedding's training pipeline's JSONL, documents as files
   (``chunk_path``, ``neg_chunk_paths``) or as text (``positive``, ``negatives``).
 - ``swift`` (:mod:`.swift`): ms-swift's embedding JSONL (``messages``,
   ``positive_messages`` / ``negative_messages``, ``positive_images`` / ``negative_images``).
@@ -98,7 +98,7 @@ def detect_format(path: str | Path) -> str:
 
 
 def format_of(path: str | Path) -> str:
-    """The format of a training file (:func:`detect_format`); the seed's ``contrastors``
+    """The format of a training file (:func:`detect_format`); Qwen3-VL-Embedding's ``contrastors``
     keys when the first line cannot tell (its reader then reports what is wrong, with every
     other problem of the file). Training and ``bigbatch validate`` read files this way."""
     try:

@@ -1,4 +1,4 @@
-"""The ``contrastors`` format: the seed pipeline's JSONL. Documents as files,
+"""The ``contrastors`` format: Qwen3-VL-Embedding's training pipeline's JSONL. Documents as files,
 ``{"query", "chunk_path", "neg_chunk_paths"}`` (page images or text files), or as text,
 ``{"query", "positive", "negatives"}``; ids as ``query_id`` / ``positive_id`` /
 ``negative_ids``. Detected for JSONL that neither swift nor st claims."""

@@ -22,7 +22,7 @@ from .common import Format, WriteOptions, add_ids, jsonl_rows, with_ids, write_j
 
 __all__ = ["FORMAT", "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION"]
 
-# the seed's instructions (train_contrastors.py and convert_data_for_swift.py)
+# Qwen3-VL-Embedding's instructions (train_contrastors.py and convert_data_for_swift.py)
 SWIFT_QUERY_INSTRUCTION = "Retrieve images or text relevant to the user's query."
 SWIFT_DOC_INSTRUCTION = "Represent the user's input."
 _IMAGE_TAG = "<image>"
