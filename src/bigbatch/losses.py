@@ -34,8 +34,8 @@ from .errors import ConfigError, ShapeError
 if TYPE_CHECKING:
     from .distributed import Gathered
 
-__all__ = ["LogitScale", "InfoNCE", "CorpusInfoNCE", "LossOutput", "PartialLoss",
-           "hard_negative_count"]
+__all__ = ["LogitScale", "TemperatureLoss", "InfoNCE", "CorpusInfoNCE", "LossOutput",
+           "PartialLoss", "hard_negative_count"]
 
 class PartialLoss(NamedTuple):
     """A rank's part of a global loss: ``part`` (backpropagated on this rank; the parts of all
@@ -144,7 +144,39 @@ def _ids_tensor(ids: Tensor | Sequence[Hashable], n: int, device: torch.device, 
     return out
 
 
-class InfoNCE(nn.Module):
+class TemperatureLoss(nn.Module):
+    """What every bigbatch contrastive loss shares: a temperature held as a
+    :class:`LogitScale` (learnable or fixed, clamped after each optimizer step by
+    :meth:`clamp_`) and the check of a false-negative margin.
+
+    Args:
+        temperature: the initial temperature (logit scale ``1 / temperature``).
+        learnable_temperature: train the logit scale with the model.
+        max_scale: the logit scale's upper bound (CLIP's 100).
+        false_negative_margin: optional; must be a finite number when given.
+    """
+
+    def __init__(self, temperature: float = 0.07, learnable_temperature: bool = True,
+                 max_scale: float = 100.0, false_negative_margin: float | None = None) -> None:
+        super().__init__()
+        if false_negative_margin is not None and not math.isfinite(false_negative_margin):
+            raise ConfigError(f"false_negative_margin must be a finite number, got "
+                              f"{false_negative_margin!r}")
+        self.logit_scale = LogitScale(temperature, max_scale=max_scale,
+                                      learnable=learnable_temperature)
+        self.false_negative_margin = false_negative_margin
+
+    def clamp_(self) -> "TemperatureLoss":
+        """Clamp the logit scale into its bounds; call after ``optimizer.step()``."""
+        self.logit_scale.clamp_()
+        return self
+
+    @property
+    def temperature(self) -> float:
+        return self.logit_scale.temperature
+
+
+class InfoNCE(TemperatureLoss):
     """InfoNCE (multiple-negatives ranking) loss with in-batch and hard negatives.
 
     Args:
@@ -199,27 +231,12 @@ class InfoNCE(nn.Module):
                  false_negative_margin: float | None = None,
                  block_size: int | None = None, dense: bool = False,
                  max_block_logits: int = MAX_BLOCK_LOGITS) -> None:
-        super().__init__()
         check_blocking(block_size, dense, max_block_logits)
-        if false_negative_margin is not None and not math.isfinite(false_negative_margin):
-            raise ConfigError(f"false_negative_margin must be a finite number, got "
-                              f"{false_negative_margin!r}")
-        self.logit_scale = LogitScale(temperature, max_scale=max_scale,
-                                      learnable=learnable_temperature)
+        super().__init__(temperature, learnable_temperature, max_scale, false_negative_margin)
         self.symmetric = symmetric
-        self.false_negative_margin = false_negative_margin
         self.block_size = block_size
         self.dense = dense
         self.max_block_logits = max_block_logits
-
-    def clamp_(self) -> "InfoNCE":
-        """Clamp the logit scale into its bounds; call after ``optimizer.step()``."""
-        self.logit_scale.clamp_()
-        return self
-
-    @property
-    def temperature(self) -> float:
-        return self.logit_scale.temperature
 
     def _direction(self, rows: Tensor, cols: Tensor, pos: Tensor, scale: Tensor, group: int,
                    col_ids: Tensor | None, row_ids: Tensor | None,
@@ -357,7 +374,7 @@ class InfoNCE(nn.Module):
         return PartialLoss(part, summed[0], metrics)
 
 
-class CorpusInfoNCE(nn.Module):
+class CorpusInfoNCE(TemperatureLoss):
     """InfoNCE of each query against a fixed, precomputed corpus of document embeddings.
 
     For query-side tuning: the document tower is frozen, so the whole corpus is embedded
@@ -395,25 +412,15 @@ class CorpusInfoNCE(nn.Module):
                  learnable_temperature: bool = True, max_scale: float = 100.0,
                  block_size: int | None = None, dense: bool = False,
                  max_block_logits: int = MAX_BLOCK_LOGITS) -> None:
-        super().__init__()
         check_blocking(block_size, dense, max_block_logits)
         if corpus.dim() != 2 or corpus.shape[0] == 0:
             raise ShapeError(f"corpus must be a non-empty (N, dim) tensor, got shape "
                              f"{tuple(corpus.shape)}")
+        super().__init__(temperature, learnable_temperature, max_scale)
         self.corpus = corpus.detach()
-        self.logit_scale = LogitScale(temperature, max_scale=max_scale,
-                                      learnable=learnable_temperature)
         self.block_size = block_size
         self.dense = dense
         self.max_block_logits = max_block_logits
-
-    def clamp_(self) -> "CorpusInfoNCE":
-        self.logit_scale.clamp_()
-        return self
-
-    @property
-    def temperature(self) -> float:
-        return self.logit_scale.temperature
 
     def _target(self, query: Tensor, positive_index: Tensor | Sequence[int]) -> Tensor:
         """Check the query embeddings and the positives; return the positives as a tensor."""

@@ -35,17 +35,16 @@ score in place of the dot product.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .embeddings import TokenEmbeddings
 from .errors import ConfigError, InputError, ShapeError
-from .losses import LogitScale, LossOutput, PartialLoss, hard_negative_count
+from .losses import LossOutput, PartialLoss, TemperatureLoss, hard_negative_count
 
 if TYPE_CHECKING:
     from .distributed import Gathered
@@ -176,7 +175,7 @@ def _take(emb: TokenEmbeddings, rows: Tensor | slice) -> TokenEmbeddings:
     return TokenEmbeddings(emb.values[rows], emb.mask[rows])
 
 
-class MaxSimInfoNCE(nn.Module):
+class MaxSimInfoNCE(TemperatureLoss):
     """InfoNCE over MaxSim (late-interaction) scores, for multi-vector retrievers (ColBERT,
     ColPali): :class:`bigbatch.InfoNCE` with ``score(q, d) = sum over q's tokens of the max
     over d's tokens of q_t . d_s`` in place of ``q . d``, computed in blocks (module
@@ -224,7 +223,6 @@ class MaxSimInfoNCE(nn.Module):
                  false_negative_margin: float | None = None, normalize_query: bool = False,
                  block_size: int | tuple[int, int] | None = None,
                  max_block_elements: int = MAX_BLOCK_ELEMENTS) -> None:
-        super().__init__()
         pair = isinstance(block_size, (list, tuple))
         sizes = block_size if pair else [block_size]
         if block_size is not None and not (len(sizes) == 1 + pair and all(
@@ -234,25 +232,11 @@ class MaxSimInfoNCE(nn.Module):
         if not (isinstance(max_block_elements, int) and max_block_elements > 0):
             raise ConfigError(f"max_block_elements must be a positive integer, got "
                               f"{max_block_elements!r}")
-        if false_negative_margin is not None and not math.isfinite(false_negative_margin):
-            raise ConfigError(f"false_negative_margin must be a finite number, got "
-                              f"{false_negative_margin!r}")
-        self.logit_scale = LogitScale(temperature, max_scale=max_scale,
-                                      learnable=learnable_temperature)
+        super().__init__(temperature, learnable_temperature, max_scale, false_negative_margin)
         self.symmetric = symmetric
-        self.false_negative_margin = false_negative_margin
         self.normalize_query = normalize_query
         self.block_size = tuple(block_size) if pair else block_size
         self.max_block_elements = max_block_elements
-
-    def clamp_(self) -> "MaxSimInfoNCE":
-        """Clamp the logit scale into its bounds; call after ``optimizer.step()``."""
-        self.logit_scale.clamp_()
-        return self
-
-    @property
-    def temperature(self) -> float:
-        return self.logit_scale.temperature
 
     def scores(self, query: TokenEmbeddings, doc: TokenEmbeddings) -> Tensor:
         """The ``(queries, documents)`` MaxSim scores with this loss's options."""
