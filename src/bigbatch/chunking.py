@@ -12,8 +12,10 @@ arguments, e.g. a tokenizer's output), or a list of raw examples with a ``collat
 - a list of raw examples becomes :class:`RawChunk` pieces, collated only when the chunk is
   embedded (:func:`materialize`), so one chunk's collated tensors are in memory at a time.
 
-:func:`length_order` and :func:`index_rows` order examples by token count before chunking
-(``GradCache(sort_by_length=True)``); :func:`to_device` and :func:`first_device` move a
+:func:`length_order` orders examples by token count (``GradCache(sort_by_length=True)``)
+and :func:`ordered_chunks` cuts the ordered rows into :class:`GatheredChunk` pieces, each
+gathered from the inputs (:func:`index_rows`) only when it is embedded, so no reordered
+copy of the whole batch is kept beside the inputs; :func:`to_device` and :func:`first_device` move a
 chunk to the engine's device and find where it lives. :func:`chunk_sizes` and
 :func:`collate_fns` read the engine's per-tower options, and :func:`checked_split` checks
 what an overridden ``split_inputs`` returned.
@@ -31,12 +33,13 @@ from torch import Tensor
 from .errors import ConfigError, InputError
 
 __all__ = [
-    "Chunk", "RawChunk", "materialize", "rows_of", "chunk_bounds", "split_inputs",
-    "token_spans", "trim_columns", "length_order", "index_rows", "to_device", "first_device",
+    "Chunk", "RawChunk", "GatheredChunk", "materialize", "rows_of", "chunk_bounds",
+    "split_inputs", "token_spans", "trim_columns", "length_order", "ordered_chunks",
+    "index_rows", "to_device", "first_device",
     "chunk_sizes", "collate_fns", "checked_split",
 ]
 
-Chunk = Any  # a Tensor, a dict of tensors (keyword arguments), or a RawChunk
+Chunk = Any  # a Tensor, a dict of tensors (keyword arguments), a RawChunk or a GatheredChunk
 
 
 class RawChunk:
@@ -52,6 +55,29 @@ class RawChunk:
 
     def __len__(self) -> int:
         return len(self.items)
+
+
+class GatheredChunk:
+    """Rows ``index`` of a tokenized dict of ``n`` rows, gathered from it only when the chunk
+    is embedded (and again when it is replayed) and cut to the columns ``span`` (None: all),
+    so that length ordering keeps no reordered copy of the batch (see :func:`ordered_chunks`)."""
+
+    __slots__ = ("inputs", "index", "n", "span")
+
+    def __init__(self, inputs: Mapping, index: Tensor, n: int,
+                 span: tuple[int, int] | None) -> None:
+        self.inputs, self.index, self.n, self.span = inputs, index, n, span
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def gather(self) -> dict:
+        """The chunk's rows (and columns) as a dict of new tensors."""
+        chunk = index_rows(self.inputs, self.index, self.n)
+        if self.span is None:
+            return chunk
+        return trim_columns(chunk, self.span, self.inputs["attention_mask"].shape[1],
+                            len(self.index))
 
 
 def chunk_sizes(chunk_size: int | Mapping[str, int], towers: Iterable[str]) -> dict[str, int]:
@@ -117,8 +143,11 @@ def checked_split(name: str, chunks: Iterable[Chunk],
 
 
 def materialize(chunk: Chunk) -> Any:
-    """What the tower is called on: a :class:`RawChunk` collated, any other chunk as it is."""
-    return chunk.collate(chunk.items) if isinstance(chunk, RawChunk) else chunk
+    """What the tower is called on: a :class:`RawChunk` collated, a :class:`GatheredChunk`
+    gathered, any other chunk as it is."""
+    if isinstance(chunk, RawChunk):
+        return chunk.collate(chunk.items)
+    return chunk.gather() if isinstance(chunk, GatheredChunk) else chunk
 
 
 def rows_of(inputs: Any, name: str) -> int:
@@ -203,11 +232,12 @@ def _slice_rows(value: Any, lo: int, hi: int, n: int) -> Any:
     return value
 
 
-def token_spans(inputs: Mapping, bounds: list[tuple[int, int]],
-                n: int) -> list[tuple[int, int] | None]:
-    """For each chunk ``bounds[i]`` of a tokenized dict of ``n`` rows, the column range
-    ``[a, b)`` holding any non-padding token (one host-device synchronisation per tower);
-    all None when the dict has no 2-d ``attention_mask`` of ``n`` rows."""
+def token_spans(inputs: Mapping, bounds: list[tuple[int, int]], n: int,
+                order: Tensor | None = None) -> list[tuple[int, int] | None]:
+    """For each chunk ``bounds[i]`` of a tokenized dict of ``n`` rows (of its rows taken in
+    ``order``, when given), the column range ``[a, b)`` holding any non-padding token (one
+    host-device synchronisation per tower); all None when the dict has no 2-d
+    ``attention_mask`` of ``n`` rows."""
     mask = inputs.get("attention_mask")
     if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[0] != n:
         return [None] * len(bounds)
@@ -216,6 +246,9 @@ def token_spans(inputs: Mapping, bounds: list[tuple[int, int]],
     first = torch.where(nz.any(1), nz.int().argmax(1), t)
     last = torch.where(nz.any(1), t - 1 - nz.flip(1).int().argmax(1), -1)
     first_l, last_l = first.tolist(), last.tolist()
+    if order is not None:
+        idx = order.tolist()
+        first_l, last_l = [first_l[i] for i in idx], [last_l[i] for i in idx]
     spans = []
     for lo, hi in bounds:
         a, b = min(first_l[lo:hi]), max(last_l[lo:hi])
@@ -240,6 +273,19 @@ def length_order(inputs: Any) -> Tensor | None:
         lengths = (inputs["attention_mask"] != 0).sum(1)
         return torch.argsort(lengths.cpu(), descending=True, stable=True)
     return None  # nothing to measure: chunk in the given order
+
+
+def ordered_chunks(inputs: Mapping, order: Tensor, chunk_size: int, *,
+                   trim_padding: bool = True) -> tuple[list[Chunk], list[int]]:
+    """The chunks :func:`split_inputs` makes of a tokenized dict's rows taken in ``order``
+    (from :func:`length_order`), as :class:`GatheredChunk` pieces: each is gathered from
+    ``inputs`` when it is embedded, never a reordered copy of the whole batch. Returns the
+    chunks and their row counts."""
+    n = len(order)
+    bounds = chunk_bounds(n, chunk_size)
+    spans = token_spans(inputs, bounds, n, order) if trim_padding else [None] * len(bounds)
+    return ([GatheredChunk(inputs, order[lo:hi], n, span) for (lo, hi), span in zip(bounds, spans)],
+            [hi - lo for lo, hi in bounds])
 
 
 def index_rows(inputs: Any, index: Tensor, n: int) -> Any:

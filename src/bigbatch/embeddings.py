@@ -8,7 +8,8 @@ token embeddings for the arguments it names in its ``token_inputs`` attribute (r
 :class:`bigbatch.loss_contract.LossArguments`); every other argument takes a tensor, and
 :func:`check_output` refuses the other kind before any gradient is written.
 
-The cache of a token tower (:func:`cache_of`): each chunk is embedded at its own token
+The cache of a tower (:class:`CacheWriter`) is one buffer, the chunks written into it in
+the original order. The cache of a token tower: each chunk is embedded at its own token
 count (a tokenized chunk is trimmed to its longest row, see :mod:`bigbatch.chunking`) and
 cut to the columns holding an unmasked token of the chunk; the cache holds the whole batch
 in one tensor, the chunks padded with zeros to the longest of them (the batch's longest
@@ -36,9 +37,9 @@ from torch import Tensor
 
 from .errors import InputError, ShapeError
 
-__all__ = ["TokenEmbeddings", "Embedding", "check_output", "cache_of", "detached", "grad_of",
-           "surrogate_backward", "all_finite", "dtype_of", "dim_of", "tokens_of", "row_numel",
-           "pack", "unpack", "stack_rows"]
+__all__ = ["TokenEmbeddings", "Embedding", "check_output", "CacheWriter", "cache_of",
+           "detached", "grad_of", "surrogate_backward", "all_finite", "dtype_of", "dim_of",
+           "tokens_of", "row_numel", "pack", "unpack", "stack_rows"]
 
 
 class TokenEmbeddings(NamedTuple):
@@ -100,47 +101,111 @@ def _at_least_float32(t: Tensor) -> Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
+class CacheWriter:
+    """One tower's cache, written as each chunk is embedded (:meth:`add`) and finished once
+    all are (:meth:`finish`); ``rows``: each chunk's row count, ``order``: the permutation
+    applied before chunking (None: the given order).
+
+    One vector per row: the chunks are written into one ``(rows, dim)`` buffer in the
+    original order as they come (half precision raised to float32), so the step holds no
+    list of chunk outputs and no reordered copy. Token embeddings: the chunks' outputs are
+    kept until :meth:`finish` (each chunk's token span is known only then, with one
+    host-device synchronisation), which writes them into one buffer in the original order.
+    """
+
+    def __init__(self, name: str, rows: Sequence[int], order: Tensor | None,
+                 requires_grad: bool) -> None:
+        self.name, self.rows, self.order = name, list(rows), order
+        self.requires_grad = requires_grad
+        self._values: Tensor | None = None
+        self._tokens: list[TokenEmbeddings] = []
+        self._lo = 0
+
+    def add(self, index: int, emb: Embedding) -> None:
+        """Write chunk ``index``'s (detached) output, checked by :func:`check_output`.
+
+        Raises:
+            ShapeError: a width other than the first chunk's.
+        """
+        hi = self._lo + self.rows[index]
+        if isinstance(emb, TokenEmbeddings):
+            self._tokens.append(emb)
+        else:
+            if self._values is None:
+                self._values = emb.new_empty((sum(self.rows), emb.shape[1]),
+                                             dtype=_at_least_float32(emb).dtype)
+            elif emb.shape[1] != self._values.shape[1]:
+                raise ShapeError(f"tower {self.name!r} returned width {emb.shape[1]} for chunk "
+                                 f"{index} but {self._values.shape[1]} for chunk 0; every chunk "
+                                 f"must embed to the same width")
+            _write_rows(self._values, self._rows(self._lo, hi), emb.detach())
+        self._lo = hi
+
+    def finish(self) -> tuple[Embedding, list[tuple[int, int]] | None]:
+        """The cache, a leaf, with for token embeddings each chunk's token span ``[a, b)``:
+        the columns holding an unmasked token of the chunk, the only ones cached (padded with
+        zeros to the longest span; masked tokens set to zero).
+
+        Raises:
+            InputError: a row with every token masked (one host-device synchronisation).
+        """
+        if not self._tokens:
+            return self._values.requires_grad_(self.requires_grad), None
+        outs, self._tokens = self._tokens, []
+        info = []
+        for o in outs:  # per chunk: first used column, one past the last, every row has a token
+            used = o.mask.any(0).long()
+            info.append(torch.stack([used.argmax(), len(used) - used.flip(0).argmax(),
+                                     o.mask.any(1).all().long()]))
+        info = torch.stack(info).tolist()
+        spans = [(a, b) for a, b, _ in info]
+        width = max(b - a for a, b in spans)
+        first = outs[0].values
+        values = first.new_zeros((sum(self.rows), width, first.shape[2]),
+                                 dtype=_at_least_float32(first).dtype)
+        mask = outs[0].mask.new_zeros((sum(self.rows), width))
+        lo = 0
+        for c, (o, (a, b)) in enumerate(zip(outs, spans)):
+            rows = self._rows(lo, lo + len(o.mask))
+            _write_rows(mask[:, :b - a], rows, o.mask[:, a:b])
+            _write_rows(values[:, :b - a], rows, o.values.detach()[:, a:b])
+            outs[c], lo = None, lo + len(o.mask)  # each chunk's output freed once written
+        if not all(ok for _, _, ok in info):
+            raise InputError(f"tower {self.name!r} returned a row with every token masked (row "
+                             f"{int((~mask.any(1)).int().argmax())} of the batch); every row "
+                             f"needs at least one unmasked token")
+        values.masked_fill_(~mask[..., None], 0)
+        return TokenEmbeddings(values.requires_grad_(self.requires_grad), mask), spans
+
+    def _rows(self, lo: int, hi: int) -> slice | Tensor:
+        """Where chunk rows ``[lo, hi)`` go in the cache."""
+        return slice(lo, hi) if self.order is None else self.order[lo:hi]
+
+
+def _write_rows(dest: Tensor, rows: slice | Tensor, src: Tensor) -> None:
+    """``dest[rows] = src`` (cast to ``dest``'s dtype), in place."""
+    if isinstance(rows, slice):
+        dest[rows] = src
+    else:
+        dest.index_copy_(0, rows.to(dest.device), src.to(dest.dtype))
+
+
 def cache_of(name: str, outs: list[Embedding], order: Tensor | None,
              requires_grad: bool) -> tuple[Embedding, list[tuple[int, int]] | None]:
-    """The cache of one tower: its chunks' (detached) outputs in one leaf, half precision
-    raised to float32, rows put back in the original order (``order``: the permutation
-    applied before chunking). Returns it with, for token embeddings, each chunk's token
-    span ``[a, b)``: the columns holding an unmasked token of the chunk, the only ones
-    cached (padded with zeros to the longest span; masked tokens set to zero).
+    """The cache of one tower from all its chunks' outputs at once (:class:`CacheWriter`,
+    which the engine feeds chunk by chunk): one leaf, half precision raised to float32, rows
+    in the original order (``order``: the permutation applied before chunking), with each
+    chunk's token span for token embeddings.
 
     Raises:
+        ShapeError: chunks of different widths.
         InputError: a row with every token masked (one host-device synchronisation).
     """
-    if not isinstance(outs[0], TokenEmbeddings):
-        reps = _at_least_float32(torch.cat(outs) if len(outs) > 1 else outs[0])
-        if order is not None:
-            reps = torch.empty_like(reps).index_copy_(0, order.to(reps.device), reps)
-        return reps.detach().requires_grad_(requires_grad), None
-    info = []
-    for o in outs:  # per chunk: first used column, one past the last, every row has a token
-        used = o.mask.any(0).long()
-        info.append(torch.stack([used.argmax(), len(used) - used.flip(0).argmax(),
-                                 o.mask.any(1).all().long()]))
-    info = torch.stack(info).tolist()
-    spans = [(a, b) for a, b, _ in info]
-    width = max(b - a for a, b in spans)
-    mask = torch.cat([torch.nn.functional.pad(o.mask[:, a:b], (0, width - b + a))
-                      for o, (a, b) in zip(outs, spans)])
-    if not all(ok for _, _, ok in info):
-        empty = ~mask.any(1)
-        if order is not None:
-            empty = torch.empty_like(empty).index_copy_(0, order.to(empty.device), empty)
-        raise InputError(f"tower {name!r} returned a row with every token masked (row "
-                         f"{int(empty.int().argmax())} of the batch); every row needs at "
-                         f"least one unmasked token")
-    values = torch.cat([torch.nn.functional.pad(o.values.detach()[:, a:b],
-                                                (0, 0, 0, width - b + a))
-                        for o, (a, b) in zip(outs, spans)])
-    values = _at_least_float32(values).masked_fill_(~mask[..., None], 0)
-    if order is not None:
-        values = torch.empty_like(values).index_copy_(0, order.to(values.device), values)
-        mask = torch.empty_like(mask).index_copy_(0, order.to(mask.device), mask)
-    return TokenEmbeddings(values.requires_grad_(requires_grad), mask), spans
+    rows = [len(o.mask) if isinstance(o, TokenEmbeddings) else len(o) for o in outs]
+    writer = CacheWriter(name, rows, order, requires_grad)
+    for c, o in enumerate(outs):
+        writer.add(c, o)
+    return writer.finish()
 
 
 def detached(emb: Embedding) -> Embedding:

@@ -77,6 +77,17 @@ def test_tower_output_wrong_row_count():
     assert no_grads(lin, loss_fn)
 
 
+def test_tower_output_width_changes_between_chunks():
+    _, loss_fn, inputs = setup()
+    lin = nn.Linear(12, 8)
+    cache = bb.GradCache({"query": lin, "doc": lambda x: lin(x)[:, :8 if x.shape[0] == 3 else 5]},
+                         loss_fn, chunk_size=3)
+    with pytest.raises(ShapeError, match=r"tower 'doc' returned width 5 for chunk 2 but 8 for "
+                                         r"chunk 0"):
+        cache.step(**inputs)
+    assert no_grads(lin, loss_fn)
+
+
 def test_tower_output_not_a_tensor():
     _, loss_fn, inputs = setup()
     lin = nn.Linear(12, 8)
