@@ -84,12 +84,17 @@ def memory_section(paths: list[Path]) -> list[str]:
              f"{'peak CUDA allocation' if 'cuda' in key else 'peak resident memory of the process'}"
              f" on {m['processor']} ({m['cpus']} CPUs), torch {m['torch']}. Commands: "
              + "; ".join(f"`{x['command']}` ({x['date']})" for x in runs) + ".",
-             "", "The last column is the streamed run's peak minus the high-water mark before the "
+             "", "'Added by the step' is the streamed run's peak minus the high-water mark before the "
              "step (model, data and tokenization), i.e. what the step itself added. Step seconds "
              "are wall time and depend on what else shared the CPUs (some points ran beside a "
              "test run); the memory figures do not.", "",
+             "Floor: what a step must hold, from the shapes (cached embeddings and their "
+             "gradients, per-chunk random states, parameter gradients); + block + chunk adds one "
+             "loss block and one probe chunk's saved activations; ratio = added / that sum "
+             "(runs that recorded it).", "",
              "| batch | bigbatch, streamed loss | bigbatch, dense loss | plain full batch | "
-             "step s (streamed) | streamed: added by the step |", "|---|---|---|---|---|---|"]
+             "step s (streamed) | streamed: added by the step | floor | floor + block + chunk "
+             "| ratio |", "|---|---|---|---|---|---|---|---|---|"]
     rows = [row for x in runs for row in x["rows"]]
     for b in sorted({row["batch"] for row in rows}):
         cells = []
@@ -99,8 +104,10 @@ def memory_section(paths: list[Path]) -> list[str]:
                          else f"{row[key]:,.0f} MB")
         st = next((x for x in rows if x["batch"] == b and x["mode"] == "streamed"), {})
         added = f"{st[key] - st[before]:,.0f} MB" if key in st else "-"
+        shapes = (f"{st['floor_mb']:,.1f} MB | {st['estimate_mb']:,.1f} MB | {st['ratio']:.2f}"
+                  if "ratio" in st else "- | - | -")
         lines.append(f"| {b:,} | " + " | ".join(cells)
-                     + f" | {st.get('seconds', float('nan')):.1f} | {added} |")
+                     + f" | {st.get('seconds', float('nan')):.1f} | {added} | {shapes} |")
     lines.append("")
     try:
         import matplotlib
