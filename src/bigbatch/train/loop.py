@@ -35,6 +35,7 @@ from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run, la
 from .config import TrainConfig
 from .corpus import FixedCorpus
 from .logging import RunLogger, eval_columns, format_eval_row, plot_metrics
+from .memory_check import check_fits, describe, estimate_run_step, free_memory
 from .outdir import check_output_dir, claim_output_dir, remove_created
 from .ranks import barrier, from_main, gather_rng_states
 from .resume import check_resume_matches, check_resumed_data, check_resumed_step, resume_path
@@ -262,6 +263,10 @@ class Trainer:
             self._claim()
         self.logger = RunLogger(self.out, enabled=info.is_main,  # a resume drops rows it redoes
                                 resume_step=self.state["step"] if config.resume else None)
+        self.step_memory = estimate_run_step(self.cache, self.encoder, self.records, config,
+                                             self.device, info.world_size, self.model_params)
+        if self.step_memory is not None:  # stop now, with the numbers, rather than at step 1
+            check_fits(self.step_memory, free_memory(self.device), self.device)
         if info.is_main:
             config.write(self.out / "config.yaml")
             print(self._announcement(), flush=True)
@@ -284,6 +289,8 @@ class Trainer:
                 f"{'LoRA r=' + str(lora_r) if lora_r else 'full fine-tuning'} "
                 f"({n_train:,} trainable parameters), {self.encoder.encoder_type} encoder, "
                 f"device {self.device}")
+        if self.step_memory is not None:
+            text += f", {describe(self.step_memory)}"
         if config.mode == "query-side-tune":
             corpus = f": {len(self.corpus.ids):,} documents" if self.corpus is not None else ""
             text += (f", query-side-tune ({config.query_side_backward} backward, "
