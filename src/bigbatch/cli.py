@@ -193,13 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     co = sub.add_parser("convert", help="convert between contrastors, ms-swift, "
                         "sentence-transformers and BEIR formats; read colpali-engine / "
-                        "ViDoRe Parquet or datasets folders (page images written to files)")
+                        "ViDoRe Parquet or datasets folders (page images written to files)",
+                        formatter_class=_DefaultsFormatter)
     co.add_argument("--from", dest="src_format", choices=FORMATS + READ_ONLY_FORMATS,
-                    default=None, help="default: detected")
+                    default=None, help="the input's format (default: detected from its "
+                    "name and first record)")
     co.add_argument("--to", dest="dst_format", choices=FORMATS, default=None,
                     help="required, except from colpali (default there: contrastors, page "
                     "images as chunk_path / neg_chunk_paths)")
-    co.add_argument("input")
+    co.add_argument("input", help="a training file (.jsonl, .parquet, .csv), a BEIR "
+                    "directory, or a datasets save_to_disk folder")
     co.add_argument("output", help="a .jsonl/.parquet/.csv file, or a directory for beir")
     co.add_argument("--split", default="train", help="qrels split read or written for BEIR; "
                     "split of a datasets DatasetDict folder")

@@ -388,7 +388,7 @@ def test_train_help_marks_model_and_train_data_required_and_names_overwrite():
     assert "read from the YAML file's folder" in text
 
 
-@pytest.mark.parametrize("command", ["mine", "eval", "render-pages"])
+@pytest.mark.parametrize("command", ["mine", "eval", "render-pages", "convert"])
 def test_every_option_has_a_description_and_a_default(command):
     p = _subparser(command)
     formatter = p._get_formatter()
