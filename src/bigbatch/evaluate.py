@@ -201,8 +201,10 @@ def _dense_scorer(encoder: Any, corpus: Path, texts: list[str], batch_size: int,
                                     cache_dir=cache_dir, progress=progress)
     query_emb = encoder.encode(texts, side="query", batch_size=batch_size, device=device,
                                progress="embed queries" if progress else None)
-    d = doc_emb.float()
-    return doc_ids, lambda rows: query_emb[rows].float() @ d.T, 256
+    d = doc_emb.float()  # no copy for the float32 (memory-mapped) corpus embeddings
+    # queries per block: 256, or fewer so that one block's scores stay within 2**24 (64 MiB)
+    block = min(256, max(1, 2 ** 24 // max(1, len(doc_ids))))
+    return doc_ids, lambda rows: query_emb[rows].float() @ d.T, block
 
 
 def _maxsim_scorer(encoder: Any, corpus: Path, texts: list[str], batch_size: int, device: Any,

@@ -68,3 +68,25 @@ def test_a_page_image_replaced_in_place_is_embedded_again(tmp_path):
     new = embed_corpus(enc, corpus, cache_dir=tmp_path / "cache", progress=False)[1]
     assert enc.calls == 2
     assert not torch.equal(old[0], new[0]) and torch.equal(old[1], new[1])
+
+
+def test_corpus_embeddings_are_written_to_disk_as_made_and_mapped(tmp_path):
+    """Blocks go to a file as they are embedded; the matrix comes back mapped from it (not a
+    list of blocks and their concatenation), equal to the blocks, and no file is left."""
+    corpus = tmp_path / "corpus.jsonl"
+    _write(corpus, [{"_id": str(i), "text": "x" * (i + 1)} for i in range(10)])
+    work = tmp_path / "work"
+    ids, emb = embed_corpus(CountingEncoder(), corpus, cache_dir=work, block=3, progress=False)
+    assert emb.untyped_storage().filename is not None  # mapped from the file written
+    expected = CountingEncoder().encode(["x" * (i + 1) for i in range(10)], "doc", 1, None)
+    assert ids == [str(i) for i in range(10)] and torch.equal(emb, expected)
+    assert not [p for p in work.rglob("*.f32")]  # the temporary file is unlinked
+    ids2, cached = embed_corpus(CountingEncoder(), corpus, cache_dir=work, progress=False)
+    assert torch.equal(cached, expected)  # the cache is read memory-mapped
+
+
+def test_an_empty_corpus_gives_an_empty_matrix(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("")
+    ids, emb = embed_corpus(CountingEncoder(), corpus, progress=False)
+    assert ids == [] and emb.shape == (0, 0)

@@ -27,8 +27,8 @@ from .beir import corpus_doc
 from .jsonl import iter_jsonl
 from .types import ImageDoc, doc_key
 
-__all__ = ["iter_corpus", "corpus_texts", "embed_corpus", "default_cache_dir", "corpus_key",
-           "documents_key", "embeddings_file", "save_embeddings", "load_embeddings"]
+__all__ = ["iter_corpus", "corpus_texts", "embed_corpus", "EmbeddingFile", "default_cache_dir",
+           "corpus_key", "documents_key", "embeddings_file", "save_embeddings", "load_embeddings"]
 
 
 def default_cache_dir() -> Path:
@@ -147,20 +147,63 @@ def embed_corpus(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
     if cached is not None:
         return cached
     ids: list[str] = []
-    parts: list[torch.Tensor] = []
+    writer = EmbeddingFile(cache_dir)
     bar = progress_bar(desc="embed corpus", unit="doc") if progress else None
-    for blk in iter_corpus(corpus_path, block):
-        ids.extend(d for d, _ in blk)
-        parts.append(encoder.encode([t for _, t in blk], side="doc", batch_size=batch_size,
-                                    device=device))
+    try:
+        for blk in iter_corpus(corpus_path, block):
+            ids.extend(d for d, _ in blk)
+            writer.append(encoder.encode([t for _, t in blk], side="doc",
+                                         batch_size=batch_size, device=device))
+            if bar is not None:
+                bar.update(len(blk))
+    finally:
         if bar is not None:
-            bar.update(len(blk))
-    if bar is not None:
-        bar.close()
-    emb = torch.cat(parts) if parts else torch.empty(0, 0)
+            bar.close()
+        emb = writer.finish()
     if cache is not None:
         save_embeddings(cache, ids, emb)
     return ids, emb
+
+
+class EmbeddingFile:
+    """A corpus's embeddings written to disk as they are made (float32, one block at a time)
+    and handed back memory-mapped: embedding a corpus holds one block in memory, never a
+    list of every block and their concatenation, and the operating system pages the matrix
+    in as the scoring reads it.
+
+    The file is a temporary one in ``folder`` (default: the system's temporary folder); it
+    is unlinked once mapped, so nothing is left behind, whatever happens next.
+    """
+
+    def __init__(self, folder: str | Path | None = None) -> None:
+        import tempfile
+
+        if folder is not None:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        self._file = tempfile.NamedTemporaryFile(prefix="corpus-", suffix=".f32", delete=False,
+                                                 dir=folder)
+        self.rows, self.dim = 0, None
+
+    def append(self, emb: torch.Tensor) -> None:
+        """Write the next block's ``(rows, dim)`` embeddings."""
+        if self.dim is None:
+            self.dim = emb.shape[1]
+        self._file.write(emb.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        self.rows += emb.shape[0]
+
+    def finish(self) -> torch.Tensor:
+        """The ``(rows, dim)`` float32 embeddings written, mapped from the file (an empty
+        ``(0, 0)`` tensor when nothing was written); the file is unlinked."""
+        import os
+
+        self._file.close()
+        try:
+            if not self.rows:
+                return torch.empty(0, 0)
+            return torch.from_file(self._file.name, shared=True, size=self.rows * self.dim,
+                                   dtype=torch.float32).view(self.rows, self.dim)
+        finally:
+            os.unlink(self._file.name)  # the mapping stays valid; no file is left behind
 
 
 def save_embeddings(path: Path, ids: list[str], emb: torch.Tensor) -> None:
@@ -178,5 +221,6 @@ def load_embeddings(path: Path) -> tuple[list[str], torch.Tensor] | None:
     """(ids, embeddings) written by :func:`save_embeddings`, or None when there is none."""
     if not path.exists():
         return None
-    blob = torch.load(path, weights_only=True)  # ids and a tensor: no pickled code runs
+    # ids and a tensor (no pickled code runs); the tensor memory-mapped, not read into memory
+    blob = torch.load(path, weights_only=True, mmap=True)
     return blob["ids"], blob["emb"]
