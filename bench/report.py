@@ -250,6 +250,28 @@ def st_note() -> list[str]:
             "a larger share, the gap may differ (no GPU was lent to measure it).", ""]
 
 
+def eval_memory_section(path: Path) -> list[str]:
+    """Full-corpus evaluation's memory against corpus size (``bench/eval_memory.py``)."""
+    r = json.loads(path.read_text())
+    m, s = r["machine"], r["settings"]
+    lines = [f"### Evaluation memory against corpus size: {s['model']}", "",
+             f"`bigbatch.evaluate.evaluate_beir` on synthetic BEIR sets ({s['queries']} "
+             f"queries, documents of 30 SciFact words), max length {s['max_length']}, one "
+             f"process per point on {m['processor']} ({m['cpus']} CPUs), torch {m['torch']}. "
+             f"Command: `{r['command']}` ({r['date']}). The corpus embeddings are written to "
+             "disk as they are made and scored memory-mapped: the process's anonymous memory "
+             "(what it allocated: document ids, one block of embeddings being made, one block "
+             "of query scores of at most 2**24 similarities) is not the embeddings matrix; "
+             "peak RSS also counts the mapped file's pages, which the kernel can drop.", "",
+             "| documents | embeddings | peak RSS | anonymous memory: before, peak | seconds |",
+             "|---|---|---|---|---|"]
+    for row in r["rows"]:
+        lines.append(f"| {row['docs']:,} | {row['embeddings_mb']:,.0f} MB | "
+                     f"{row['peak_rss_mb']:,.0f} MB | {row['anon_before_mb']:,.0f} MB, "
+                     f"{row['peak_anon_mb']:,.0f} MB | {row['seconds']:,.0f} |")
+    return lines + [""]
+
+
 def main() -> None:
     DOCS.mkdir(exist_ok=True)
     lines = ["# Benchmarks", "",
@@ -266,6 +288,8 @@ def main() -> None:
         by_device.setdefault((settings["device"], settings.get("model", "")), []).append(p)
     for paths in by_device.values():
         lines += memory_section(paths)
+    for p in sorted(RESULTS.glob("eval-memory-*.json")):
+        lines += eval_memory_section(p)
     (DOCS / "benchmarks.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {DOCS / 'benchmarks.md'}")
 
