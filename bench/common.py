@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -70,3 +71,28 @@ def minilm(device: str):
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(minilm_path(), device=device)
+
+
+def status_mb(field: str) -> float | None:
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ``RssAnon``) in MiB;
+    None where it cannot be read (not Linux)."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, flags=re.M)
+    return int(m.group(1)) / 1024 if m else None
+
+
+def tiny_bert(add_pooling_layer: bool = True):
+    """(tokenizer, model): a random BERT of 2 layers, hidden 128, 2 heads, MLP 512 (seed 0)
+    with all-MiniLM-L6-v2's tokenizer, the benchmarks' small stand-in for MiniLM."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=128, num_hidden_layers=2,
+                                num_attention_heads=2, intermediate_size=512),
+                     add_pooling_layer=add_pooling_layer)
+    return tok, bert

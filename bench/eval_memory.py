@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, SCIFACT, machine, minilm_path, now  # noqa: E402
+from common import RESULTS, SCIFACT, machine, minilm_path, now, status_mb  # noqa: E402
+from common import tiny_bert as tiny_bert_model  # noqa: E402
 
 QUERIES = 100
 
@@ -48,23 +49,12 @@ def write_corpus(folder: Path, docs: int, seed: int = 0) -> Path:
 
 
 def tiny_bert(folder: Path) -> str:
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
+    """The benchmarks' tiny random BERT saved in ``folder`` (once), for load_encoder."""
     if not (folder / "config.json").exists():
-        tok = AutoTokenizer.from_pretrained(minilm_path())
-        torch.manual_seed(0)
-        BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=128, num_hidden_layers=2,
-                             num_attention_heads=2, intermediate_size=512)).save_pretrained(folder)
+        tok, bert = tiny_bert_model()
+        bert.save_pretrained(folder)
         tok.save_pretrained(folder)
     return str(folder)
-
-
-def _status(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def point(model: str, data: Path, max_length: int, batch_size: int) -> dict:
@@ -76,11 +66,11 @@ def point(model: str, data: Path, max_length: int, batch_size: int) -> dict:
 
     def sample() -> None:
         while not done.is_set():
-            peak_anon[0] = max(peak_anon[0], _status("RssAnon"))
+            peak_anon[0] = max(peak_anon[0], status_mb("RssAnon") or 0.0)
             time.sleep(0.05)
 
     encoder = load_encoder(model, max_length=max_length)
-    base_rss, base_anon = _status("VmRSS"), _status("RssAnon")
+    base_rss, base_anon = status_mb("VmRSS"), status_mb("RssAnon")
     watcher = threading.Thread(target=sample, daemon=True)
     watcher.start()
     t0 = time.time()
@@ -89,10 +79,9 @@ def point(model: str, data: Path, max_length: int, batch_size: int) -> dict:
     seconds = time.time() - t0
     done.set()
     watcher.join()
-    mb = 2 ** 20
-    return {"metrics": metrics, "seconds": seconds, "peak_rss_mb": _status("VmHWM") / mb,
-            "rss_before_mb": base_rss / mb, "peak_anon_mb": peak_anon[0] / mb,
-            "anon_before_mb": base_anon / mb}
+    return {"metrics": metrics, "seconds": seconds, "peak_rss_mb": status_mb("VmHWM"),
+            "rss_before_mb": base_rss, "peak_anon_mb": peak_anon[0],
+            "anon_before_mb": base_anon}
 
 
 def main() -> None:

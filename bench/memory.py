@@ -27,7 +27,6 @@ import argparse
 import gc
 import json
 import os
-import re
 import resource
 import subprocess
 import sys
@@ -35,19 +34,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, minilm, minilm_path, now, scifact_pairs  # noqa: E402
+from common import (RESULTS, machine, minilm, now, scifact_pairs, status_mb,  # noqa: E402
+                    tiny_bert)
 
 MODELS = {"minilm": "all-MiniLM-L6-v2 (train mode)",
           "tiny-bert": "BERT, 2 layers, hidden 128, 2 heads, MLP 512, random init (train mode)"}
-
-
-def _status_mb(field: str) -> float | None:
-    try:
-        text = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    m = re.search(rf"^{field}:\s+(\d+) kB", text, flags=re.M)
-    return int(m.group(1)) / 1024 if m else None
 
 
 def _reset_peak() -> bool:
@@ -69,13 +60,8 @@ def load_model(name: str, device: str, max_length: int):
         st.train()
         return st.tokenizer, lambda **f: st(dict(f))["sentence_embedding"], \
             list(st.parameters()), st.get_sentence_embedding_dimension()
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    tok = AutoTokenizer.from_pretrained(minilm_path())
-    torch.manual_seed(0)
-    bert = BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=128, num_hidden_layers=2,
-                                num_attention_heads=2, intermediate_size=512),
-                     add_pooling_layer=False).to(device)
+    tok, bert = tiny_bert(add_pooling_layer=False)
+    bert = bert.to(device)
     bert.train()
 
     def tower(input_ids, attention_mask, **rest):
@@ -130,7 +116,7 @@ def point(mode: str, batch: int, chunk: int, max_length: int, device: str, block
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     reset = _reset_peak()
-    before = _status_mb("VmRSS") if reset else \
+    before = status_mb("VmRSS") if reset else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
     run(q, d)
