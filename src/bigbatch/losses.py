@@ -130,8 +130,10 @@ def hard_negative_count(num_queries: int, num_docs: int) -> int:
     return num_docs // num_queries - 1
 
 
-def _ids_tensor(ids: Tensor | Sequence[Hashable], n: int, device: torch.device, name: str) -> Tensor:
-    """Turn ids (a tensor, or any hashables such as strings) into an int64 tensor of length n."""
+def ids_tensor(ids: Tensor | Sequence[Hashable], n: int, device: torch.device,
+               name: str = "doc_ids") -> Tensor:
+    """Ids (a tensor, or any hashables such as strings) as an int64 tensor of length ``n``,
+    equal where the ids are equal; ShapeError naming ``name`` for another length."""
     if isinstance(ids, Tensor):
         out = ids.to(device=device, dtype=torch.long).reshape(-1)
     else:
@@ -304,7 +306,7 @@ class InfoNCE(TemperatureLoss):
         self._check(query, doc)
         b, n = query.shape[0], doc.shape[0]
         k = hard_negative_count(b, n)
-        ids = None if doc_ids is None else _ids_tensor(doc_ids, n, query.device, "doc_ids")
+        ids = None if doc_ids is None else ids_tensor(doc_ids, n, query.device, "doc_ids")
         q_pos = torch.arange(b, device=query.device) * (k + 1)
         loss, st, scale = self._compute(query, doc, 0, b, 0, b, k, ids, q_pos)
         return LossOutput(loss, self._metrics(st, scale, b, n, k))
@@ -337,7 +339,7 @@ class InfoNCE(TemperatureLoss):
             failure = None
             try:  # checked on every rank before the gather, so that all ranks raise together
                 if isinstance(doc_ids, Tensor):
-                    local = _ids_tensor(doc_ids, local_n, dev, "doc_ids")
+                    local = ids_tensor(doc_ids, local_n, dev, "doc_ids")
                 else:
                     local = list(doc_ids)
                     if len(local) != local_n:
@@ -353,7 +355,7 @@ class InfoNCE(TemperatureLoss):
             if isinstance(local, Tensor):
                 ids_all = gathered.gather_values("doc", local)
             else:
-                ids_all = _ids_tensor(gathered.gather_values("doc", local), sum(nd), dev,
+                ids_all = ids_tensor(gathered.gather_values("doc", local), sum(nd), dev,
                                       "doc_ids")
         q_pos_all = torch.cat([d_off + torch.arange(b, device=dev) * group
                                for d_off, b in zip(gathered.offsets["doc"], bq)])

@@ -44,7 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from .embeddings import TokenEmbeddings
 from .errors import ConfigError, InputError, ShapeError
-from .losses import LossOutput, PartialLoss, TemperatureLoss, hard_negative_count
+from .losses import LossOutput, PartialLoss, TemperatureLoss, hard_negative_count, ids_tensor
 
 if TYPE_CHECKING:
     from .distributed import Gathered
@@ -155,20 +155,6 @@ def maxsim_scores(query: TokenEmbeddings, doc: TokenEmbeddings, *, normalize_que
                          max_block_elements)
     return BlockwiseMaxSim.apply(qv.to(dtype), weight, dv.to(dtype), dm, _spans(q_len, bq),
                                  _spans(d_len, bd))
-
-
-def _id_codes(ids: Tensor | Sequence[Hashable], n: int, device: torch.device) -> Tensor:
-    """Ids (a tensor or hashables) as int64 codes, equal where the ids are equal."""
-    if isinstance(ids, Tensor):
-        codes = ids.to(device=device, dtype=torch.long).reshape(-1)
-    else:
-        seen: dict[Hashable, int] = {}
-        codes = torch.tensor([seen.setdefault(i, len(seen)) for i in ids], dtype=torch.long,
-                             device=device)
-    if len(codes) != n:
-        raise ShapeError(f"doc_ids has {len(codes)} entries for {n} documents; give one id "
-                         f"per document")
-    return codes
 
 
 def _take(emb: TokenEmbeddings, rows: Tensor | slice) -> TokenEmbeddings:
@@ -332,7 +318,7 @@ class MaxSimInfoNCE(TemperatureLoss):
         b, n = len(query.values), len(doc.values)
         k = hard_negative_count(b, n)
         dev = query.values.device
-        ids = None if doc_ids is None else _id_codes(doc_ids, n, dev)
+        ids = None if doc_ids is None else ids_tensor(doc_ids, n, dev)
         q_pos = torch.arange(b, device=dev) * (k + 1)
         loss, st, scale = self._compute(query, doc, 0, b, 0, b, k, ids, q_pos)
         return LossOutput(loss, self._metrics(st, scale, b, n, k))
@@ -360,9 +346,9 @@ class MaxSimInfoNCE(TemperatureLoss):
                      else list(doc_ids))
             mine = nd[gathered.rank]
             gathered.raise_together(None if len(local) == mine else ShapeError(
-                f"doc_ids has {len(local)} entries for {mine} documents; give one id per "
-                f"document"))
-            ids = _id_codes(gathered.gather_values("doc", local), sum(nd), dev)
+                f"doc_ids has {len(local)} entries but there are {mine} documents; give one id "
+                f"per document"))
+            ids = ids_tensor(gathered.gather_values("doc", local), sum(nd), dev)
         q_pos_all = torch.cat([lo + torch.arange(b, device=dev) * (k + 1)
                                for lo, b in zip(gathered.offsets["doc"], bq)])
         rank, failure = gathered.rank, None
