@@ -393,14 +393,11 @@ def _eval(args: argparse.Namespace) -> int:
 
     from .train.outdir import check_writable_file
 
-    if args.output and not Path(args.output).parent.is_dir():
-        raise ConfigError(f"--output: the folder {Path(args.output).parent} does not exist "
-                          f"(checked before evaluating, so no evaluation is lost)")
+    if args.output:  # before evaluating, so that no evaluation is lost
+        check_writable_file(args.output, "--output", create_folders=False)
     if args.unseen_from:  # a split named on purpose must exist (the default's may not)
         require_split(args.data, args.unseen_from, "--unseen-from")
     unseen_from = "train" if args.unseen_from is None else args.unseen_from or None
-    if args.output:
-        check_writable_file(args.output, "--output")
     device = _check_encoder_args(args)
     results = []
     for path in args.model:
