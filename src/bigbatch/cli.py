@@ -55,7 +55,6 @@ _HELP = {
                        "2**22 logits a block, so the batch x documents logits never exist at "
                        "once; 0: the dense loss, all logits at once)",
     "lora_dropout": "dropout on the LoRA adapter's input",
-    "pooling": "mean, cls or last (token): how token embeddings become one",
     "max_length": "tokens per text at most (cut to the model's positions when it has fewer)",
     "gradient_checkpointing": "recompute activations in the backward pass (less memory)",
     "eval_batch_size": "texts embedded at once in evaluation",
