@@ -16,7 +16,6 @@ import os
 import random
 import re
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, OutputError
+from .durable import fsync_dir, move_into_new_folder
 from .runid import belongs_to, run_id_of, write_run_file
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
@@ -55,21 +55,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def fsync_dir(path: str | Path) -> None:
-    """Flush a directory's entries (renames, new files) to disk; a no-op where directories
-    cannot be opened (Windows)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a directory
-        pass
-    finally:
-        os.close(fd)
 
 
 class atomic_dir:
@@ -356,15 +341,7 @@ def abandon_later_checkpoints(output_dir: str | Path, step: int) -> Path | None:
         later.append(summary)
     if not later:
         return None
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dest = out / f"abandoned-{stamp}"
-    n = 1
-    while dest.exists():
-        n += 1
-        dest = out / f"abandoned-{stamp}-{n}"
-    dest.mkdir()
-    for p in later:
-        os.replace(p, dest / p.name)
+    dest = move_into_new_folder(out, "abandoned-", later)
     if (out / "metrics.jsonl").exists():
         shutil.copy2(out / "metrics.jsonl", dest / "metrics.jsonl")
     fsync_dir(dest)

@@ -6,12 +6,11 @@ loss and evaluation metrics at the end (matplotlib)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import fsync_dir
+from .durable import fsync_dir, write_text_atomic
 
 __all__ = ["RunLogger", "plot_metrics", "truncate_metrics", "eval_columns", "format_eval_row"]
 
@@ -61,12 +60,7 @@ def truncate_metrics(path: str | Path, step: int) -> int:
             kept.append(line)
     dropped = len(lines) - len(kept)
     if dropped:
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write("".join(line + "\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
         fsync_dir(path.parent)
     return dropped
 

@@ -13,7 +13,6 @@ Also the write-tests of the files and folders that ``train``, ``eval``, ``mine``
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
-from .checkpoint import fsync_dir
+from .durable import fsync_dir, move_into_new_folder
 from .runid import RUN_FILE, run_id_of, write_run_file
 
 __all__ = ["ARCHIVE_PREFIX", "OutputPlan", "check_output_dir", "claim_output_dir",
@@ -176,15 +175,7 @@ def claim_output_dir(plan: OutputPlan, run_id: str) -> Path | None:
     if plan.create:
         out.mkdir(parents=True, exist_ok=True)
     if plan.move_aside:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        dest, n = out / f"{ARCHIVE_PREFIX}{stamp}", 1
-        while dest.exists():
-            n += 1
-            dest = out / f"{ARCHIVE_PREFIX}{stamp}-{n}"
-        dest.mkdir()
-        for p in plan.move_aside:
-            if p.exists() or p.is_symlink():
-                os.replace(p, dest / p.name)
+        dest = move_into_new_folder(out, ARCHIVE_PREFIX, plan.move_aside)
         fsync_dir(dest)
         print(f"bigbatch train: --overwrite: moved what {out} held ({_shown(plan.move_aside)}) "
               f"into {dest}; nothing was deleted", flush=True)

@@ -9,11 +9,12 @@ None, and such a checkpoint counts as the folder's own (see :func:`belongs_to`).
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import time
 from pathlib import Path
 from typing import Any
+
+from .durable import write_text_atomic
 
 __all__ = ["RUN_FILE", "new_run_id", "run_id_of", "write_run_file", "belongs_to"]
 
@@ -39,12 +40,7 @@ def write_run_file(folder: str | Path, run_id: str, **extra: Any) -> Path:
     """Write ``folder/run.json`` naming ``run_id`` (with ``extra`` fields), replacing it in one
     rename and flushing its contents; the caller flushes the folder's entries."""
     path = Path(folder) / RUN_FILE
-    tmp = path.with_name(f".{RUN_FILE}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps({"run_id": run_id, **extra}, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"run_id": run_id, **extra}, indent=2) + "\n")
     return path
 
 
