@@ -15,10 +15,10 @@ The multimodal rope state (``rope_deltas``, cached by the model after an image c
 reset before and after every call, and text-only calls get explicit position ids, so an
 image call never leaks into a text call.
 
-The encoder is a GradCache tower fed raw examples: :meth:`collate` turns a chunk of
-examples into model inputs, loading its images only then. An example is a string (text) or
-an image document: anything with a ``path`` attribute (the page image) and optionally a
-``text`` shown beside it, such as :class:`bigbatch.data.images.ImageDoc`.
+The encoder is a GradCache tower fed raw examples: :meth:`VisionLanguageEncoder.collate`
+turns a chunk of examples into model inputs, loading its images only then. An example is a
+string (text) or an image document: anything with a ``path`` attribute (the page image) and
+optionally a ``text`` shown beside it, such as :class:`bigbatch.data.images.ImageDoc`.
 """
 
 from __future__ import annotations
