@@ -28,7 +28,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argpar
 
 
 def _cell(text: str) -> str:
-    return html.escape(" ".join(text.split()), quote=False).replace("|", "\\|")
+    return html.escape(" ".join(text.split()), quote=False).replace("|", "\\|").replace("*", "\\*")
 
 
 def _flags(action: argparse.Action, formatter: argparse.HelpFormatter) -> str:
