@@ -1,9 +1,9 @@
 """A griffe extension for the API reference: bigbatch's docstrings cross-reference in Sphinx's
-roles (``:class:`InfoNCE```, ``:meth:`~bigbatch.GradCache.step```, ``:mod:`.swift```), which
-Markdown would print as they are written. Once the package is loaded, every role is resolved
-in the scope of the docstring that holds it (the object's members, its module's imports, then
-its parents) and becomes a link to the rendered object, or plain code where that object is
-not rendered (a private helper). A role that names nothing in bigbatch is a warning, which
+roles (``:class:`InfoNCE```, ``:meth:`~bigbatch.GradCache.step```, ``:mod:`.swift```) and
+mark literal blocks with ``::``, which Markdown would print as they are written. Once the
+package is loaded, every role is resolved in the scope of the docstring that holds it (the
+object's members, its module's imports, then its parents) and becomes a link to the rendered
+object, or plain code where that object is not rendered (a private helper). A role that names nothing in bigbatch is a warning, which
 ``mkdocs build --strict`` turns into a failed build: a docstring's reference must resolve.
 """
 
@@ -20,6 +20,16 @@ import griffe
 log = logging.getLogger("mkdocs.plugins.bigbatch.sphinx_roles")
 
 ROLE = re.compile(r":(?:py:)?(class|meth|func|mod|attr|data|exc|obj):`(~?)([^`<>]+)`")
+# reStructuredText's "text::" before an indented literal block reads "text:" (as Sphinx
+# prints it); a label alone on its line ("Example::") is set in italics, so that griffe does
+# not take it for a Google-style section
+LABEL = re.compile(r"^(\s*)(\w[\w ]*)::[ \t]*$", re.M)
+LITERAL = re.compile(r"(\S)::[ \t]*$", re.M)
+
+
+def literal_markers(text: str) -> str:
+    """rST literal-block markers (``::``) as they read once rendered."""
+    return LITERAL.sub(r"\1:", LABEL.sub(r"\1*\2*:", text))
 
 
 def _lookup(root: griffe.Object, path: str) -> griffe.Object | griffe.Alias | None:
@@ -113,7 +123,8 @@ class SphinxRoles(griffe.Extension):
             return
         seen.add(obj.path)
         if obj.docstring is not None:
-            obj.docstring.value = ROLE.sub(lambda m: self._link(obj, m, root), obj.docstring.value)
+            text = ROLE.sub(lambda m: self._link(obj, m, root), obj.docstring.value)
+            obj.docstring.value = literal_markers(text)
             _check_parameters(obj)
         for member in obj.members.values():
             if not member.is_alias:

@@ -59,6 +59,15 @@ def test_cli_reference_says_what_help_says():
             assert f"`{flag}" in text, flag
 
 
+def test_rst_literal_markers_read_as_sphinx_prints_them():
+    from sphinx_roles import literal_markers
+
+    assert literal_markers("scale t = 1 / temperature::\n\n    x\n") == \
+        "scale t = 1 / temperature:\n\n    x\n"
+    assert literal_markers("Example::\n\n    code\n") == "*Example*:\n\n    code\n"
+    assert literal_markers("a[::2] stays\n") == "a[::2] stays\n"
+
+
 def test_docstring_references_resolve_or_are_reported():
     griffe = pytest.importorskip("griffe")
     from sphinx_roles import _resolve
