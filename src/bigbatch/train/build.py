@@ -195,7 +195,9 @@ def build_cache(config: TrainConfig, encoder: Any, loss_fn: torch.nn.Module, cor
                               "tokenized before they are cut into chunks; a vision-language "
                               "model's pages are collated chunk by chunk: use "
                               "--grad-cache-chunk there")
-        tokens = {name: config.grad_cache_tokens for name in towers}
+        direct = query_side and config.query_side_backward == "direct"  # one query chunk
+        tokens = {name: config.grad_cache_tokens for name in towers
+                  if not (direct and name == "query")}
     cache = GradCache(towers, loss_fn, chunk_size=chunks, chunk_tokens=tokens, collate_fn=collate,
                       autocast_dtype=DTYPES[config.dtype], scaler=scaler, device=device,
                       sort_by_length=True, cross_device=corpus is None)
