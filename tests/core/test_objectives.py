@@ -131,6 +131,22 @@ def test_matryoshka_over_corpus_infonce_truncates_the_corpus():
     assert "accuracy@5" in metrics
 
 
+def test_matryoshka_over_a_plain_function_loss():
+    def my_loss(query, doc):  # no metrics, no cross-device protocol
+        return -(query * doc).sum(1).mean()
+
+    loss_fn = bb.Matryoshka(my_loss, dims=[8, 2])
+    assert hasattr(bb.Matryoshka(bb.InfoNCE(), dims=[8]), "cross_device_forward")
+    assert not hasattr(loss_fn, "cross_device_forward")  # the engine gathers, then calls it
+    tower = TokenTower(p=0.1).to(DT).train()
+    inputs = {"query": token_batch(B), "doc": token_batch(B)}
+    err, result, ref = engine_and_reference(
+        {"query": tower, "doc": tower}, loss_fn, inputs,
+        lambda r: separate_losses(my_loss, [8, 2], [1, 1], r["query"], r["doc"]))
+    assert err <= TOL and torch.allclose(result.loss, ref, rtol=1e-12)
+    assert set(result.metrics) == {"loss@8", "loss@2"}
+
+
 @pytest.mark.parametrize("dims,weights,message", [
     ([], None, "at least one"),
     ([128, 256], None, "largest to smallest"),
