@@ -26,7 +26,6 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
