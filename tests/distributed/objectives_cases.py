@@ -98,7 +98,7 @@ def matryoshka_reference(loss_fn, q, d, ids):
 
 def extra_infonce():
     loss = bb.InfoNCE(temperature=0.1, extra_negatives=("qq", "dd"), block_size=2,
-                      false_negative_margin=0.3).to(DT)
+                      false_negative_margin=0.3, symmetric=True).to(DT)
     return loss, loss
 
 
@@ -127,7 +127,7 @@ def maxsim_matryoshka_reference(loss_fn, q, d, ids):
 
 CASES = {
     "matryoshka_k1_ids": lambda: run_case(matryoshka_infonce, matryoshka_reference, ids=True),
-    "extra_qq_dd_k2_ids": lambda: run_case(extra_infonce, dense_reference, k=2, sizes=(3, 4),
+    "extra_qq_dd_k2_ids_symmetric": lambda: run_case(extra_infonce, dense_reference, k=2, sizes=(3, 4),
                                            ids=True),
     "tokens_k2_symmetric_sorted": lambda: run_case(plain_infonce, dense_reference, k=2,
                                                    chunk_tokens=20, sort=True),
