@@ -90,12 +90,16 @@ class Exclusions:
         margin: a column whose similarity exceeds the row's positive similarity plus
             ``margin`` is excluded (selected on detached similarities).
         pairs: ``(M, 2)`` long tensor of (row, column) pairs to exclude.
+        margin_cols: the margin applies to the first ``margin_cols`` columns only (None:
+            to all); InfoNCE's document-document columns are left out of it, as in
+            Qwen3-Embedding.
     """
 
     col_ids: Tensor | None = None
     row_ids: Tensor | None = None
     margin: float | None = None
     pairs: Tensor | None = None
+    margin_cols: int | None = None
 
     def mask(self, sim: Tensor, pos: Tensor, pos_sim: Tensor, lo: int, hi: int) -> Tensor | None:
         """The boolean ``(hi - lo, N)`` mask of excluded columns of rows ``lo:hi`` (whose
@@ -106,6 +110,8 @@ class Exclusions:
             mask = self.col_ids[None, :] == self.row_ids[lo:hi, None]
         if self.margin is not None:
             over = sim > (pos_sim + self.margin)[:, None]
+            if self.margin_cols is not None:
+                over[:, self.margin_cols:] = False
             mask = over if mask is None else mask.logical_or_(over)
         if self.pairs is not None:
             if mask is None:

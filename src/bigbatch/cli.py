@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .data.formats import (FORMATS, READ_ONLY_FORMATS, SWIFT_DOC_INSTRUCTION,
                            SWIFT_QUERY_INSTRUCTION)
@@ -54,6 +55,19 @@ _HELP = {
     "loss_block_size": "query rows per block of the streamed loss (default: automatic, at most "
                        "2**22 logits a block, so the batch x documents logits never exist at "
                        "once; 0: the dense loss, all logits at once)",
+    "matryoshka_dims": "Matryoshka: train every one of these embedding widths, largest first "
+                       "(e.g. 384,256,128,64: each a prefix of the embedding, normalised "
+                       "again; one replay for all); final/ records them, and "
+                       "SentenceTransformer(path, truncate_dim=128) uses one (default: off)",
+    "matryoshka_weights": "Matryoshka: one weight per width of --matryoshka-dims (default: "
+                          "all 1)",
+    "extra_negatives": "qq, dd or qq,dd: add the other queries (qq) and the positive's "
+                       "similarities to the other documents (dd) to each query's softmax "
+                       "denominator, as Qwen3-Embedding trains (default: none)",
+    "grad_cache_tokens": "padded tokens per GradCache chunk at most: a chunk holds as many "
+                         "texts as fit (longest first), so mixed short and long texts keep "
+                         "one chunk's memory bounded; --grad-cache-chunk still caps the rows "
+                         "(default: off, rows only)",
     "lora_dropout": "dropout on the LoRA adapter's input",
     "max_length": "tokens per text at most (cut to the model's positions when it has fewer)",
     "gradient_checkpointing": "recompute activations in the backward pass (less memory)",
@@ -123,6 +137,9 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         if typ == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help=f"{help_} (default {'on' if f.default else 'off'})".strip())
+        elif "list[int]" in typ or "list[float]" in typ:
+            p.add_argument(flag, type=_number_list(int if "list[int]" in typ else float, flag),
+                           default=argparse.SUPPRESS, help=help_)
         elif "list" in typ:
             p.add_argument(flag, type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
                            default=argparse.SUPPRESS, help=help_)
@@ -133,6 +150,19 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
             if "(default:" not in help_ and not help_.startswith("required"):
                 help_ = f"{help_} (default {default})" if help_ else f"(default {default})"
             p.add_argument(flag, type=conv, default=argparse.SUPPRESS, help=help_)
+
+
+def _number_list(kind: type, flag: str) -> Any:
+    """An argparse type: a comma-separated list of ``kind`` (int or float)."""
+    from .train.config import number_list
+
+    def parse(text: str) -> list:
+        try:
+            return number_list(text, kind, flag)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag}: ")) from None
+
+    return parse
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -245,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "train, when the data has qrels/train.tsv)")
     ev.add_argument("--output", default=None, help="write the results as JSON here "
                     "(default: printed only)")
+    ev.add_argument("--dims", type=_number_list(int, "--dims"), default=None,
+                    help="Matryoshka widths, e.g. 384,128: one row per width, each from the "
+                    "embeddings' first dims coordinates normalised again (the corpus is "
+                    "embedded once; default: the full embeddings only)")
     _add_encoder_flags(ev)
 
     rp = sub.add_parser("render-pages", help="render a BEIR corpus to page images (a visual "
@@ -388,7 +422,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from .data.beir import require_split
     from .encoders import load_encoder
-    from .evaluate import evaluate_beir
+    from .evaluate import evaluate_beir, evaluate_beir_dims
 
     from .train.outdir import check_writable_file
 
@@ -398,14 +432,23 @@ def _eval(args: argparse.Namespace) -> int:
         require_split(args.data, args.unseen_from, "--unseen-from")
     unseen_from = "train" if args.unseen_from is None else args.unseen_from or None
     device = _check_encoder_args(args)
+    if args.dims is not None:
+        from .matryoshka import check_dims
+        check_dims(args.dims, what="--dims")
     results = []
     for path in args.model:
         encoder = load_encoder(path, **_encoder_overrides(args)).to(device)
-        metrics = evaluate_beir(encoder, args.data, args.split, batch_size=args.batch_size,
-                                device=device, unseen_from=unseen_from,
-                                cache_dir=_cache_dir(args))
-        results.append({"model": str(path), "data": str(args.data), "split": args.split,
-                        "metrics": metrics})
+        common = dict(batch_size=args.batch_size, device=device, unseen_from=unseen_from,
+                      cache_dir=_cache_dir(args))
+        if args.dims is None:
+            metrics = evaluate_beir(encoder, args.data, args.split, **common)
+            results.append({"model": str(path), "data": str(args.data), "split": args.split,
+                            "metrics": metrics})
+            continue
+        per_dim = evaluate_beir_dims(encoder, args.data, args.dims, args.split, **common)
+        results.extend({"model": f"{path} @{dim}", "dim": dim, "data": str(args.data),
+                        "split": args.split, "metrics": metrics}
+                       for dim, metrics in per_dim.items())
     print(format_eval_table(results))
     if args.output:
         with open(args.output, "w") as f:

@@ -16,6 +16,13 @@ and the loss is the mean over queries. With ``symmetric=True`` the document-to-q
 direction over the positives is added (each positive document against all queries)
 and the two directions are averaged, as in CLIP. There is no hidden factor: the loss
 is exactly the mean cross-entropy above, whatever the batch, block or chunk size.
+
+``extra_negatives=("qq", "dd")`` adds, as Qwen3-Embedding trains, the similarities of query
+``i`` to the other queries (``qq``) and of its positive to the other documents (``dd``) to
+the denominator of row ``i``::
+
+    loss_i = -log( exp(t s_{i,p(i)}) / (sum_j exp(t q_i.d_j) + sum_{j != i} exp(t q_i.q_j)
+                                        + sum_{j != p(i)} exp(t d_{p(i)}.d_j)) )
 """
 
 from __future__ import annotations
@@ -35,7 +42,35 @@ if TYPE_CHECKING:
     from .distributed import Gathered
 
 __all__ = ["LogitScale", "TemperatureLoss", "InfoNCE", "CorpusInfoNCE", "LossOutput",
-           "PartialLoss", "hard_negative_count"]
+           "PartialLoss", "hard_negative_count", "EXTRA_NEGATIVES", "extra_negatives_of"]
+
+EXTRA_NEGATIVES = {
+    "qq": "the other queries of the batch as negatives of a query (itself left out)",
+    "dd": "the other documents of the batch as negatives of a query's positive document, in "
+          "the query's denominator (the positive itself left out)",
+}
+"""The extra in-batch terms :class:`InfoNCE` can add (``extra_negatives``), as in
+Qwen3-Embedding's training (ms-swift's ``INFONCE_INCLUDE_QQ`` / ``INFONCE_INCLUDE_DD``)."""
+
+
+def extra_negatives_of(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``extra_negatives`` as a tuple of names of :data:`EXTRA_NEGATIVES` in their canonical
+    order, from a sequence or a comma-separated string ("qq,dd"); empty for None or "".
+
+    Raises:
+        ConfigError: an unknown name or one given twice.
+    """
+    if value is None:
+        return ()
+    names = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) \
+        else list(value)
+    unknown = [v for v in names if v not in EXTRA_NEGATIVES]
+    if unknown:
+        raise ConfigError(f"extra_negatives: unknown term(s) {unknown}; choose from "
+                          f"{list(EXTRA_NEGATIVES)} (qq: other queries, dd: other documents)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"extra_negatives: {names} names a term twice")
+    return tuple(k for k in EXTRA_NEGATIVES if k in names)
 
 class PartialLoss(NamedTuple):
     """A rank's part of a global loss: ``part`` (backpropagated on this rank; the parts of all
@@ -201,6 +236,15 @@ class InfoNCE(TemperatureLoss):
         dense: compute all ``B x N`` logits at once through autograd (the reference).
         max_block_logits: bound on one automatic block's logits (default 2**22 = 4,194,304,
             16 MiB in float32).
+        extra_negatives: ``("qq",)``, ``("dd",)`` or ``("qq", "dd")`` (or "qq,dd"): add the
+            query's similarities to the other queries (qq) and its positive's similarities
+            to the other documents (dd, hard negatives included) to the query's softmax
+            denominator, as Qwen3-Embedding trains (:data:`EXTRA_NEGATIVES`). Same-id
+            documents are left out of dd as they are of the documents; the
+            false-negative margin applies to the document and query columns, not to dd.
+            Streamed, and across ranks, like the rest (the row is ``[q_i, d_{p(i)}]``
+            against ``[d_j, 0]``, ``[q_j, 0]`` and ``[0, d_j]``). The symmetric direction
+            is unchanged. The metrics then count these columns among the negatives.
 
     Inputs (``loss_fn(query=q, doc=d, doc_ids=None)``):
         query: ``(B, D)`` query embeddings.
@@ -232,22 +276,61 @@ class InfoNCE(TemperatureLoss):
                  symmetric: bool = False, max_scale: float = 100.0,
                  false_negative_margin: float | None = None,
                  block_size: int | None = None, dense: bool = False,
-                 max_block_logits: int = MAX_BLOCK_LOGITS) -> None:
+                 max_block_logits: int = MAX_BLOCK_LOGITS,
+                 extra_negatives: str | Sequence[str] | None = ()) -> None:
         check_blocking(block_size, dense, max_block_logits)
         super().__init__(temperature, learnable_temperature, max_scale, false_negative_margin)
         self.symmetric = symmetric
         self.block_size = block_size
         self.dense = dense
         self.max_block_logits = max_block_logits
+        self.extra_negatives = extra_negatives_of(extra_negatives)
 
     def _direction(self, rows: Tensor, cols: Tensor, pos: Tensor, scale: Tensor, group: int,
                    col_ids: Tensor | None, row_ids: Tensor | None,
-                   with_stats: bool) -> tuple[Tensor, Tensor]:
+                   with_stats: bool, pairs: Tensor | None = None,
+                   margin_cols: int | None = None) -> tuple[Tensor, Tensor]:
         """Sum of the per-row losses and stats of one direction, streamed or dense."""
         block = rows_per_block(cols.shape[0], self.block_size, self.dense, self.max_block_logits)
-        exclude = Exclusions(col_ids=col_ids, row_ids=row_ids, margin=self.false_negative_margin)
+        exclude = Exclusions(col_ids=col_ids, row_ids=row_ids, margin=self.false_negative_margin,
+                             pairs=pairs, margin_cols=margin_cols)
         return cross_entropy_sum(rows, cols, pos, scale, block=block, group=group,
                                  exclude=exclude, with_stats=with_stats)
+
+    def _extra_columns(self, q_all: Tensor, d_all: Tensor, q_lo: int, b_local: int,
+                       pos: Tensor, ids_all: Tensor | None
+                       ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, int | None]:
+        """This rank's rows and all columns with the :attr:`extra_negatives` terms: rows
+        ``[q_i, d_{p(i)}]`` against ``[d_j, 0]``, ``[q_j, 0]`` (qq) and ``[0, d_j]`` (dd), so
+        one product gives every term (without dd the rows stay ``q_i``, no zeros). Returns
+        (rows, columns, column ids, the (row, column) pairs of each row's own query and own
+        positive among the extra columns, the columns the margin applies to)."""
+        qq, dd = "qq" in self.extra_negatives, "dd" in self.extra_negatives
+        n, b_total = d_all.shape[0], q_all.shape[0]
+        dev = q_all.device
+        rows = q_all[q_lo:q_lo + b_local]
+        cols = [d_all, q_all] if qq else [d_all]
+        if dd:
+            rows = torch.cat([rows, d_all[pos]], dim=1)
+            cols = [torch.cat([c, torch.zeros_like(c)], dim=1) for c in cols]
+            cols.append(torch.cat([torch.zeros_like(d_all), d_all], dim=1))
+        local = torch.arange(b_local, device=dev)
+        pairs, col_ids = [], None
+        if ids_all is not None:  # queries get ids no document has; dd columns the documents'
+            fresh = ids_all.max() + 1 + torch.arange(b_total, device=dev)
+            col_ids = torch.cat([ids_all, fresh] if qq else [ids_all])
+        if qq:
+            pairs.append(torch.stack([local, n + q_lo + local], dim=1))
+        if dd:
+            pairs.append(torch.stack([local, n + b_total * qq + pos], dim=1))
+            if col_ids is not None:
+                col_ids = torch.cat([col_ids, ids_all])
+        margin_cols = n + b_total * qq if dd else None
+        return rows, torch.cat(cols), col_ids, torch.cat(pairs), margin_cols
+
+    def _extra_count(self, b_total: int, n_total: int) -> int:
+        """The extra columns of a row (its own query and positive among them)."""
+        return b_total * ("qq" in self.extra_negatives) + n_total * ("dd" in self.extra_negatives)
 
     def _compute(self, q_all: Tensor, d_all: Tensor, q_lo: int, b_local: int, d_lo: int,
                  b_total: int, k: int, ids_all: Tensor | None,
@@ -262,8 +345,14 @@ class InfoNCE(TemperatureLoss):
         dev = q_all.device
         pos = d_lo + torch.arange(b_local, device=dev) * group
         row_ids = None if ids_all is None else ids_all[pos]
-        loss_sum, st = self._direction(q_all[q_lo:q_lo + b_local], d_all, pos, scale, group,
-                                       ids_all, row_ids, True)
+        if self.extra_negatives:
+            rows, cols, col_ids, pairs, margin_cols = self._extra_columns(
+                q_all, d_all, q_lo, b_local, pos, ids_all)
+            loss_sum, st = self._direction(rows, cols, pos, scale, group, col_ids, row_ids,
+                                           True, pairs, margin_cols)
+        else:
+            loss_sum, st = self._direction(q_all[q_lo:q_lo + b_local], d_all, pos, scale,
+                                           group, ids_all, row_ids, True)
         if self.symmetric:
             back_pos = q_lo + torch.arange(b_local, device=dev)
             col_ids = None if ids_all is None else ids_all[q_pos_all]
@@ -274,7 +363,9 @@ class InfoNCE(TemperatureLoss):
 
     @staticmethod
     def _metrics(st: Tensor, scale: Tensor, b_total: int, n_total: int,
-                 k: int) -> dict[str, Tensor]:
+                 k: int, own: int = 0) -> dict[str, Tensor]:
+        """The metrics from the summed stats; ``n_total`` columns per row, ``own`` of them
+        the row's own query or positive among the extra columns (never negatives)."""
         stats = dict(zip(STATS, st.unbind()))
         pos_sim = stats["pos_sum"] / b_total
         neg_sim = stats["neg_sum"] / stats["neg_n"].clamp_min(1)
@@ -285,7 +376,7 @@ class InfoNCE(TemperatureLoss):
             "margin": pos_sim - neg_sim,
             "accuracy": stats["correct"] / b_total,
             "temperature": 1.0 / scale,
-            "masked": (b_total * (n_total - 1)) - stats["neg_n"],
+            "masked": (b_total * (n_total - 1 - own)) - stats["neg_n"],
         }
         if k > 0:
             metrics["hard_neg_sim"] = stats["hard_sum"] / stats["hard_n"].clamp_min(1)
@@ -309,7 +400,8 @@ class InfoNCE(TemperatureLoss):
         ids = None if doc_ids is None else ids_tensor(doc_ids, n, query.device, "doc_ids")
         q_pos = torch.arange(b, device=query.device) * (k + 1)
         loss, st, scale = self._compute(query, doc, 0, b, 0, b, k, ids, q_pos)
-        return LossOutput(loss, self._metrics(st, scale, b, n, k))
+        return LossOutput(loss, self._metrics(st, scale, b, n + self._extra_count(b, n), k,
+                                              len(self.extra_negatives)))
 
     def cross_device_forward(self, gathered: "Gathered",
                              doc_ids: Tensor | Sequence[Hashable] | None = None) -> PartialLoss:
@@ -372,7 +464,9 @@ class InfoNCE(TemperatureLoss):
                                         torch.float32)
             stats = torch.zeros(1 + len(STATS), dtype=dtype, device=dev)
         summed = gathered.all_reduce_sum(stats, failure)
-        metrics = self._metrics(summed[1:], scale, sum(bq), sum(nd), k)
+        b_all, n_all = sum(bq), sum(nd)
+        metrics = self._metrics(summed[1:], scale, b_all, n_all + self._extra_count(b_all, n_all),
+                                k, len(self.extra_negatives))
         return PartialLoss(part, summed[0], metrics)
 
 
@@ -409,6 +503,8 @@ class CorpusInfoNCE(TemperatureLoss):
         van den Oord et al., "Representation Learning with Contrastive Predictive Coding"
         (2018); the query-side-tune mode of Qwen3-VL-Embedding's training pipeline.
     """
+
+    fixed_embeddings = ("corpus",)  # truncated by bigbatch.Matryoshka, as the queries are
 
     def __init__(self, corpus: Tensor, temperature: float = 0.07,
                  learnable_temperature: bool = True, max_scale: float = 100.0,

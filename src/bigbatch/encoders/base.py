@@ -151,6 +151,8 @@ class EncoderBase(nn.Module, ABC):
         self._save_extras(path)
         meta = {**self.settings(), "lora": self.is_lora and not merge_lora,
                 "base_model": self.base_model_name, **self.frozen_doc_meta()}
+        if getattr(self, "matryoshka_dims", None):  # the widths it was trained at
+            meta["matryoshka_dims"] = list(self.matryoshka_dims)
         (path / "bigbatch_encoder.json").write_text(json.dumps(meta, indent=2))
         return path
 

@@ -236,6 +236,11 @@ class TextEncoder(EncoderBase):
         (path / "sentence_bert_config.json").write_text(json.dumps(
             {"max_seq_length": self.max_length, "do_lower_case": False}, indent=2))
         prompts = {"query": self.query_prefix, "document": self.doc_prefix}
-        (path / "config_sentence_transformers.json").write_text(json.dumps({
-            "prompts": prompts, "default_prompt_name": None, "similarity_fn_name": "cosine",
-            "model_type": "SentenceTransformer"}, indent=2))
+        st_config = {"prompts": prompts, "default_prompt_name": None,
+                     "similarity_fn_name": "cosine", "model_type": "SentenceTransformer"}
+        if getattr(self, "matryoshka_dims", None):
+            # the widths trained (Matryoshka); SentenceTransformer(path, truncate_dim=d) picks
+            # one, while a "truncate_dim" key here would truncate every encode() by default
+            st_config["matryoshka_dims"] = list(self.matryoshka_dims)
+        (path / "config_sentence_transformers.json").write_text(json.dumps(st_config,
+                                                                           indent=2))

@@ -12,11 +12,12 @@ from .. import distributed as D
 from ..cache import GradCache
 from ..errors import ConfigError
 from ..losses import CorpusInfoNCE, InfoNCE
+from ..matryoshka import Matryoshka, check_dims
 from ..maxsim import MaxSimInfoNCE
 from .config import TrainConfig, model_positions
 
 __all__ = ["DTYPES", "device_for", "build_encoder", "build_loss", "build_optimizer",
-           "build_cache"]
+           "build_cache", "embedding_width", "check_matryoshka_width"]
 
 # --dtype: the autocast dtype of the encoder (None: float32, no autocast)
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,22 +106,56 @@ def _multivector_encoder(config: TrainConfig, common: dict[str, Any]) -> Any:
 
 
 def build_loss(config: TrainConfig, corpus: Any, device: torch.device) -> torch.nn.Module:
-    """InfoNCE over the batch's documents, or with ``corpus`` (a
+    """InfoNCE over the batch's documents (with ``--extra-negatives``), or with ``corpus`` (a
     :class:`~bigbatch.train.corpus.FixedCorpus`) CorpusInfoNCE over its embeddings; with
     ``--pooling multivector``, MaxSimInfoNCE (scores divided by the query's token count, so
-    the temperature means what it means for one vector per text)."""
+    the temperature means what it means for one vector per text). With
+    ``--matryoshka-dims``, the loss wrapped in :class:`~bigbatch.Matryoshka`."""
+    loss = _base_loss(config, corpus).to(device)
+    if config.matryoshka_dims:
+        loss = Matryoshka(loss, dims=config.matryoshka_dims, weights=config.matryoshka_weights)
+    return loss
+
+
+def _base_loss(config: TrainConfig, corpus: Any) -> torch.nn.Module:
     learnable = not config.fixed_temperature
     if config.pooling == "multivector":
         return MaxSimInfoNCE(temperature=config.temperature, learnable_temperature=learnable,
                              symmetric=config.symmetric, normalize_query=True,
-                             block_size=config.loss_block_size or None).to(device)
+                             block_size=config.loss_block_size or None)
     # --loss-block-size: unset is automatic (bounded blocks), 0 the dense loss
     blocks = {"block_size": config.loss_block_size or None, "dense": config.loss_block_size == 0}
     if corpus is not None:
         return CorpusInfoNCE(corpus.emb, temperature=config.temperature,
-                             learnable_temperature=learnable, **blocks).to(device)
+                             learnable_temperature=learnable, **blocks)
     return InfoNCE(temperature=config.temperature, learnable_temperature=learnable,
-                   symmetric=config.symmetric, **blocks).to(device)
+                   symmetric=config.symmetric, extra_negatives=config.extra_negatives, **blocks)
+
+
+def embedding_width(config: TrainConfig, encoder: Any) -> int | None:
+    """The width of the encoder's embeddings (``--multivector-dim`` for token vectors, else
+    the model's hidden size), or None when its configuration does not say."""
+    if config.pooling == "multivector":
+        return config.multivector_dim
+    cfg = getattr(getattr(encoder, "model", None), "config", None)
+    width = getattr(cfg, "hidden_size", None)
+    if width is None:  # a vision-language model: its text model's width
+        width = getattr(getattr(cfg, "text_config", None), "hidden_size", None)
+    return width if isinstance(width, int) else None
+
+
+def check_matryoshka_width(config: TrainConfig, encoder: Any) -> None:
+    """``--matryoshka-dims`` against the model's embedding width, before any step; the
+    encoder records the dims, so every saved model carries them.
+
+    Raises:
+        ConfigError: a dimension larger than the width.
+    """
+    if not config.matryoshka_dims:
+        return
+    check_dims(config.matryoshka_dims, config.matryoshka_weights,
+               width=embedding_width(config, encoder), what="--matryoshka-dims")
+    encoder.matryoshka_dims = list(config.matryoshka_dims)
 
 
 def build_optimizer(config: TrainConfig, model_params: list[torch.nn.Parameter],
@@ -153,7 +188,17 @@ def build_cache(config: TrainConfig, encoder: Any, loss_fn: torch.nn.Module, cor
     collate = encoder.collate_fns()
     if collate is not None:
         collate = {name: collate[name] for name in towers}
-    cache = GradCache(towers, loss_fn, chunk_size=chunks, collate_fn=collate,
+    tokens = None  # --grad-cache-tokens: token budgets of the tokenized towers
+    if config.grad_cache_tokens:
+        if collate is not None:
+            raise ConfigError("--grad-cache-tokens needs text models, whose batches are "
+                              "tokenized before they are cut into chunks; a vision-language "
+                              "model's pages are collated chunk by chunk: use "
+                              "--grad-cache-chunk there")
+        direct = query_side and config.query_side_backward == "direct"  # one query chunk
+        tokens = {name: config.grad_cache_tokens for name in towers
+                  if not (direct and name == "query")}
+    cache = GradCache(towers, loss_fn, chunk_size=chunks, chunk_tokens=tokens, collate_fn=collate,
                       autocast_dtype=DTYPES[config.dtype], scaler=scaler, device=device,
                       sort_by_length=True, cross_device=corpus is None)
     return cache, chunk, q_chunk

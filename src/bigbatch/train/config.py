@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["TrainConfig", "load_config", "DTYPES", "device_problem"]
+__all__ = ["TrainConfig", "load_config", "DTYPES", "device_problem", "number_list"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_LOGIT_SCALE = 100.0  # the learnable temperature is clamped to [1 / this, 1] (LogitScale)
@@ -54,6 +54,10 @@ class TrainConfig:
     fixed_temperature: bool = False
     symmetric: bool = False
     loss_block_size: int | None = None
+    matryoshka_dims: list[int] | None = None
+    matryoshka_weights: list[float] | None = None
+    extra_negatives: list[str] | None = None
+    grad_cache_tokens: int | None = None
     num_hard_negatives: int = 0
     lora_r: int = 32
     lora_alpha: int = 32
@@ -154,6 +158,7 @@ class TrainConfig:
         if self.pooling not in POOLINGS:
             raise bad("pooling", "must be 'mean', 'cls', 'last' or 'multivector'")
         self._validate_multivector(bad)
+        self._validate_objectives(bad)
         if self.encoder not in ENCODERS:
             raise bad("encoder", f"must be one of {ENCODERS}")
         if self.mode not in MODES:
@@ -203,6 +208,30 @@ class TrainConfig:
         if self.query_length and self.query_max_length is not None:
             raise ConfigError("--query-max-length does not apply with --query-length (queries "
                               "are padded and cut to --query-length tokens)")
+
+    def _validate_objectives(self, bad: Any) -> None:
+        """Matryoshka widths, extra in-batch negatives and the token budget per chunk."""
+        from ..losses import extra_negatives_of
+        from ..matryoshka import check_dims
+
+        if self.matryoshka_dims is not None:
+            check_dims(self.matryoshka_dims, self.matryoshka_weights, what="--matryoshka-dims")
+        elif self.matryoshka_weights is not None:
+            raise bad("matryoshka_weights", "needs --matryoshka-dims (one weight per dimension)")
+        if self.extra_negatives:
+            try:
+                extra_negatives_of(self.extra_negatives)
+            except ConfigError as e:
+                raise ConfigError("--extra-negatives" + str(e).removeprefix("extra_negatives")) \
+                    from None
+            if self.pooling == "multivector":
+                raise bad("extra_negatives", "applies to one vector per text, not --pooling "
+                                             "multivector")
+            if self.doc_negatives == "corpus":
+                raise bad("extra_negatives", "needs the batch's documents (not --doc-negatives "
+                                             "corpus)")
+        if self.grad_cache_tokens is not None and self.grad_cache_tokens <= 0:
+            raise bad("grad_cache_tokens", "must be > 0 (padded tokens per chunk)")
 
     @property
     def full_finetune(self) -> bool:
@@ -258,6 +287,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         if "None" in typ:
             return None
         raise ConfigError(f"{source}: {name} must not be empty")
+    if "list[int]" in typ or "list[float]" in typ:
+        return number_list(value, int if "list[int]" in typ else float, f"{source}: {name}")
     if "list" in typ:
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
@@ -284,6 +315,28 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     if isinstance(value, (str, int, float)):
         return str(value)
     raise ConfigError(f"{source}: {name} must be a string, got {value!r}")
+
+
+def number_list(value: Any, kind: type, what: str) -> list:
+    """A list of ``kind`` (int or float) from a list or a comma-separated string ("384,128").
+
+    Raises:
+        ConfigError: an entry that is not such a number, naming ``what``.
+    """
+    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) \
+        else value if isinstance(value, list) else None
+    if items is None:
+        raise ConfigError(f"{what} must be a list of numbers, e.g. 384,256,128, got {value!r}")
+    out = []
+    for v in items:
+        try:
+            if isinstance(v, bool) or (kind is int and isinstance(v, float)):
+                raise ValueError
+            out.append(kind(v))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{what}: {v!r} is not {'an integer' if kind is int else 'a number'}"
+                              f" (give a comma-separated list, e.g. 384,256,128)") from None
+    return out
 
 
 def _check_keys(keys: Any, source: str) -> None:

@@ -28,7 +28,7 @@ from .. import distributed as D
 from .._progress import progress_bar
 from ..errors import ConfigError
 from .build import (DTYPES, build_cache, build_encoder, build_loss, build_optimizer,
-                    device_for)
+                    check_matryoshka_width, device_for)
 from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run, latest_checkpoint,
                          load_checkpoint, recover_output_dir, rotate_checkpoints,
                          save_checkpoint, write_errors)
@@ -207,6 +207,7 @@ class Trainer:
         from ..data.records import check_instructions
 
         encoder = build_encoder(self.config, self.records, self.lora_r).to(self.device)
+        check_matryoshka_width(self.config, encoder)  # and the saved models record the dims
         check_instructions(self.records, encoder)  # the data's system prompts (swift) apply
         encoder.train()
         if self.config.mode == "query-side-tune":
