@@ -120,7 +120,10 @@ def build_loss(config: TrainConfig, corpus: Any, device: torch.device) -> torch.
         return CorpusInfoNCE(corpus.emb, temperature=config.temperature,
                              learnable_temperature=learnable, **blocks).to(device)
     return InfoNCE(temperature=config.temperature, learnable_temperature=learnable,
-                   symmetric=config.symmetric, **blocks).to(device)
+                   symmetric=config.symmetric, **blocks, guide_margin=config.guide_margin,
+                   guide_margin_type=config.guide_margin_type, distill=config.distill,
+                   distill_weight=config.distill_weight,
+                   teacher_temperature=config.teacher_temperature).to(device)
 
 
 def build_optimizer(config: TrainConfig, model_params: list[torch.nn.Parameter],
