@@ -16,6 +16,11 @@ and the loss is the mean over queries. With ``symmetric=True`` the document-to-q
 direction over the positives is added (each positive document against all queries)
 and the two directions are averaged, as in CLIP. There is no hidden factor: the loss
 is exactly the mean cross-entropy above, whatever the batch, block or chunk size.
+
+Two optional terms ride on the same pass: a frozen guide model's embeddings
+(``guide_query``, ``guide_doc``) mask the negatives it scores above the positive
+(:mod:`bigbatch.guided`, GISTEmbed), and teacher scores (``teacher_scores``) add a
+distillation term by weight (:mod:`bigbatch.distill`, KL or MarginMSE).
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ class Guide:
             if config.guide_model == "self":
                 enc = build_encoder(config, records, lora_r=0)
             else:
-                enc = load_encoder(config.guide_model)
+                # the run's truncation; prefixes and pooling are the guide folder's own
+                enc = load_encoder(config.guide_model, max_length=config.max_length)
         for p in enc.parameters():
             p.requires_grad_(False)
         self.encoder = enc.to(device).eval()
