@@ -3,7 +3,8 @@
 For rows ``r_i``, columns ``c_j``, a positive column ``p(i)`` per row and a logit scale
 ``t``, the sum over rows of ``logsumexp_j(t r_i.c_j) - t r_i.c_{p(i)}``, where excluded
 columns (:class:`Exclusions`: same ids, a false-negative margin, listed pairs, a guide
-model's verdict) are left out of the log-sum-exp. Both contrastive losses of :mod:`bigbatch.losses` are built on it.
+model's verdict) are left out of the log-sum-exp. Both contrastive losses of
+:mod:`bigbatch.losses` are built on it.
 
 Streamed (the default): the rows are cut into blocks of ``block`` rows. The forward pass
 computes one block's ``block x N`` similarities at a time and keeps only the inputs and one

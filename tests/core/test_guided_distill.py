@@ -45,17 +45,18 @@ D = [unit(1, 0.1, 0.1), unit(0.5, 1, 0), unit(0.2, 0.3, 1),
 def guide_case():
     """Guide embeddings (2 wide, another width than the model's 3) built so that the guide
     masks: for query 0 its second hard negative (doc 2) and query 1's positive (doc 3); for
-    query 1 its first hard negative (doc 4) only. Nothing else exceeds the positive."""
+    query 1 its first hard negative (doc 4) and query 0's second hard negative (doc 2).
+    Nothing else exceeds the positive."""
     gq = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=DT)
     # guide similarity to query 0 is column 0, to query 1 column 1
     gd = torch.tensor([[0.50, 0.10],   # pos_0: 0.50 for q0
                        [0.20, 0.00],   # n_0_1: below
-                       [0.70, 0.00],   # n_0_2: above -> masked for q0
+                       [0.70, 0.42],   # n_0_2: above -> masked for q0, and for q1
                        [0.60, 0.40],   # pos_1: above q0's positive -> masked for q0; 0.40 for q1
                        [0.10, 0.45],   # n_1_1: above q1's positive -> masked for q1
                        [0.00, 0.30]],  # n_1_2: below
                       dtype=DT)
-    return gq, gd, {(0, 2), (0, 3), (1, 4)}
+    return gq, gd, {(0, 2), (0, 3), (1, 4), (1, 2)}
 
 
 @pytest.mark.parametrize("block", [None, 0, 1])
@@ -65,8 +66,8 @@ def test_guided_mask_matches_hand_case_with_several_hard_negatives(block):
     q, d = torch.tensor(Q, dtype=DT), torch.tensor(D, dtype=DT)
     loss, metrics = loss_fn(query=q, doc=d, guide_query=gq, guide_doc=gd)
     assert abs(loss.item() - hand_infonce(Q, D, 10.0, masked)) < 1e-12
-    assert metrics["guide_masked"].item() == 3
-    assert metrics["masked"].item() == 3
+    assert metrics["guide_masked"].item() == 4
+    assert metrics["masked"].item() == 4
     # not the unguided loss, nor a mask shifted by one place in the interleaved layout
     assert abs(loss.item() - hand_infonce(Q, D, 10.0, set())) > 1e-3
     shifted = {(i, j + 1) for i, j in masked}
@@ -76,22 +77,23 @@ def test_guided_mask_matches_hand_case_with_several_hard_negatives(block):
 def test_guide_margins_absolute_and_relative():
     gq, gd, _ = guide_case()
     q, d = torch.tensor(Q, dtype=DT), torch.tensor(D, dtype=DT)
-    # absolute 0.15: q0 masks above 0.35 (docs 2, 3); q1 masks above 0.25 (docs 4, 5)
+    # absolute 0.15: q0 masks above 0.35 (docs 2, 3); q1 masks above 0.25 (docs 2, 4, 5)
     loss_fn = bb.InfoNCE(temperature=0.1, learnable_temperature=False, guide_margin=0.15)
     loss, m = loss_fn(query=q, doc=d, guide_query=gq, guide_doc=gd)
-    want = {(0, 2), (0, 3), (1, 4), (1, 5)}
+    want = {(0, 2), (0, 3), (1, 2), (1, 4), (1, 5)}
     assert abs(loss.item() - hand_infonce(Q, D, 10.0, want)) < 1e-12
-    assert m["guide_masked"].item() == 4
-    # relative 0.5: q0 masks above 0.25 (docs 2, 3); q1 above 0.20 (docs 4, 5)
+    assert m["guide_masked"].item() == 5
+    # relative 0.5: q0 masks above 0.25 (docs 2, 3); q1 above 0.20 (docs 2, 4, 5)
     loss_fn = bb.InfoNCE(temperature=0.1, learnable_temperature=False, guide_margin=0.5,
                          guide_margin_type="relative")
     loss, _ = loss_fn(query=q, doc=d, guide_query=gq, guide_doc=gd)
     assert abs(loss.item() - hand_infonce(Q, D, 10.0, want)) < 1e-12
-    # relative 0.2: q0 above 0.40 (docs 2, 3); q1 above 0.32 (doc 4)
+    # relative 0.2: q0 above 0.40 (docs 2, 3); q1 above 0.32 (docs 2, 4)
     loss_fn = bb.InfoNCE(temperature=0.1, learnable_temperature=False, guide_margin=0.2,
                          guide_margin_type="relative")
     loss, m = loss_fn(query=q, doc=d, guide_query=gq, guide_doc=gd)
-    assert abs(loss.item() - hand_infonce(Q, D, 10.0, {(0, 2), (0, 3), (1, 4)})) < 1e-12
+    assert abs(loss.item() - hand_infonce(Q, D, 10.0, {(0, 2), (0, 3), (1, 2), (1, 4)})) < 1e-12
+    assert m["guide_masked"].item() == 4
     with pytest.raises(ConfigError, match="guide_margin_type"):
         bb.InfoNCE(guide_margin_type="percent")
     with pytest.raises(ConfigError, match="guide_margin"):
