@@ -2,8 +2,9 @@
 
 For rows ``r_i``, columns ``c_j``, a positive column ``p(i)`` per row and a logit scale
 ``t``, the sum over rows of ``logsumexp_j(t r_i.c_j) - t r_i.c_{p(i)}``, where excluded
-columns (:class:`Exclusions`: same ids, a false-negative margin, listed pairs) are left out
-of the log-sum-exp. Both contrastive losses of :mod:`bigbatch.losses` are built on it.
+columns (:class:`Exclusions`: same ids, a false-negative margin, listed pairs, a guide
+model's verdict) are left out of the log-sum-exp. Both contrastive losses of
+:mod:`bigbatch.losses` are built on it.
 
 Streamed (the default): the rows are cut into blocks of ``block`` rows. The forward pass
 computes one block's ``block x N`` similarities at a time and keeps only the inputs and one
@@ -31,6 +32,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .errors import ConfigError
+from .guided import GuideRule, guide_exceeds
 
 __all__ = ["MAX_BLOCK_LOGITS", "STATS", "Exclusions", "check_blocking", "rows_per_block",
            "cross_entropy_sum"]
@@ -93,6 +95,9 @@ class Exclusions:
         margin_cols: the margin applies to the first ``margin_cols`` columns only (None:
             to all); InfoNCE's document-document columns are left out of it, as in
             Qwen3-Embedding.
+        guide_rows, guide_cols: a guide model's embeddings of the rows and of the columns
+            (any width, detached): a column the guide scores above the row's positive, by
+            ``guide_rule`` (:mod:`bigbatch.guided`), is excluded.
     """
 
     col_ids: Tensor | None = None
@@ -100,6 +105,9 @@ class Exclusions:
     margin: float | None = None
     pairs: Tensor | None = None
     margin_cols: int | None = None
+    guide_rows: Tensor | None = None
+    guide_cols: Tensor | None = None
+    guide_rule: GuideRule = GuideRule()
 
     def mask(self, sim: Tensor, pos: Tensor, pos_sim: Tensor, lo: int, hi: int) -> Tensor | None:
         """The boolean ``(hi - lo, N)`` mask of excluded columns of rows ``lo:hi`` (whose
@@ -112,6 +120,9 @@ class Exclusions:
             over = sim > (pos_sim + self.margin)[:, None]
             if self.margin_cols is not None:
                 over[:, self.margin_cols:] = False
+            mask = over if mask is None else mask.logical_or_(over)
+        if self.guide_rows is not None:
+            over = guide_exceeds(self.guide_rows[lo:hi], self.guide_cols, pos, self.guide_rule)
             mask = over if mask is None else mask.logical_or_(over)
         if self.pairs is not None:
             if mask is None:

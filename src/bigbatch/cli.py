@@ -119,6 +119,21 @@ _HELP = {
     "multivector_dim": "multivector: width of the token vectors (a linear projection)",
     "query_length": "multivector: pad queries with mask tokens to this many tokens and cut "
                     "them there (ColBERT's query augmentation; 0: off)",
+    "guide_model": "guided false-negative filtering (GISTEmbed): a frozen guide model folder, "
+                   "or 'self' for the model's own starting weights; it embeds each batch once "
+                   "and a negative it scores above the positive is left out of the loss "
+                   "(default: none)",
+    "guide_margin": "with --guide-model: mask a negative whose guide similarity exceeds the "
+                    "positive's minus this (absolute) or times 1 - this (relative); larger "
+                    "masks more",
+    "guide_margin_type": "with --guide-model: absolute or relative",
+    "distill": "add a distillation term against the records' teacher scores (pos_score, "
+               "neg_scores): kl (student vs teacher softmax over the positive and its hard "
+               "negatives) or margin-mse (default: none)",
+    "distill_weight": "with --distill: loss = InfoNCE + this x distillation",
+    "teacher_temperature": "with --distill kl: temperature of the teacher softmax (default: "
+                           "--temperature, right for a bi-encoder's cosine scores; use 1 for "
+                           "cross-encoder logits)",
 }
 
 
@@ -262,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "only with at least this many negatives (default: --num-negatives)")
     mi.add_argument("--index", choices=("flat", "hnsw"), default="flat",
                     help="flat: exact inner product; hnsw: approximate, for large corpora")
+    mi.add_argument("--scores", action="store_true", help="also write the mining model's cosine "
+                    "similarities of each query with its positive and negatives (pos_score, "
+                    "neg_scores): teacher scores for `bigbatch train --distill`")
     _add_encoder_flags(mi)
 
     ev = sub.add_parser("eval", help="full-corpus retrieval metrics of one or more models",
@@ -551,7 +569,8 @@ def _mine(args: argparse.Namespace) -> int:
     ratio = args.max_score_ratio if args.max_score_ratio and args.max_score_ratio > 0 else None
     opts = MiningOptions(num_negatives=args.num_negatives, rank_start=start, rank_end=end,
                          max_score_ratio=ratio, margin=args.margin, index=args.index,
-                         batch_size=args.batch_size, min_negatives=args.min_negatives).validate()
+                         batch_size=args.batch_size, min_negatives=args.min_negatives,
+                         scores=args.scores).validate()
     device = _check_encoder_args(args)
     out = Path(args.output)
     check_writable_file(out, "--output")

@@ -129,7 +129,11 @@ def _base_loss(config: TrainConfig, corpus: Any) -> torch.nn.Module:
         return CorpusInfoNCE(corpus.emb, temperature=config.temperature,
                              learnable_temperature=learnable, **blocks)
     return InfoNCE(temperature=config.temperature, learnable_temperature=learnable,
-                   symmetric=config.symmetric, extra_negatives=config.extra_negatives, **blocks)
+                   symmetric=config.symmetric, extra_negatives=config.extra_negatives, **blocks,
+                   guide_margin=config.guide_margin,
+                   guide_margin_type=config.guide_margin_type, distill=config.distill,
+                   distill_weight=config.distill_weight,
+                   teacher_temperature=config.teacher_temperature)
 
 
 def embedding_width(config: TrainConfig, encoder: Any) -> int | None:

@@ -96,6 +96,12 @@ class TrainConfig:
     log_steps: int = 1
     dist_timeout: float = 1800.0
     data_root: str | None = None  # files the data names must resolve inside this folder
+    guide_model: str | None = None  # GISTEmbed guide: a model folder, or "self"
+    guide_margin: float = 0.0
+    guide_margin_type: str = "absolute"
+    distill: str | None = None  # "kl" or "margin-mse" against the records' teacher scores
+    distill_weight: float = 1.0
+    teacher_temperature: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def validate(self) -> "TrainConfig":
@@ -159,6 +165,7 @@ class TrainConfig:
             raise bad("pooling", "must be 'mean', 'cls', 'last' or 'multivector'")
         self._validate_multivector(bad)
         self._validate_objectives(bad)
+        self._validate_guide_and_distill(bad)
         if self.encoder not in ENCODERS:
             raise bad("encoder", f"must be one of {ENCODERS}")
         if self.mode not in MODES:
@@ -190,6 +197,38 @@ class TrainConfig:
         if metric not in METRIC_NAMES:
             raise bad("best_metric", f"must be one of {METRIC_NAMES} (optionally 'unseen/...')")
         return self
+
+    def _validate_guide_and_distill(self, bad: Any) -> None:
+        """The options of guided filtering (``--guide-model``) and distillation
+        (``--distill``): InfoNCE over the batch's documents only."""
+        from ..distill import OBJECTIVES
+        from ..guided import MARGIN_TYPES
+
+        if self.guide_margin_type not in MARGIN_TYPES:
+            raise bad("guide_margin_type", f"must be one of {MARGIN_TYPES}")
+        if self.distill is not None and self.distill not in OBJECTIVES:
+            raise bad("distill", f"must be one of {tuple(OBJECTIVES)}")
+        if self.distill_weight < 0:
+            raise bad("distill_weight", "must be >= 0")
+        if self.teacher_temperature is not None and not self.teacher_temperature > 0:
+            raise bad("teacher_temperature", "must be > 0 (leave it out to use --temperature)")
+        for name in ("guide_model", "distill"):
+            if getattr(self, name) is None:
+                continue
+            if self.pooling == "multivector" or self.doc_negatives == "corpus":
+                raise bad(name, "works with the single-vector InfoNCE over the batch's "
+                                "documents: not with --pooling multivector or --doc-negatives "
+                                "corpus")
+        if self.guide_model is not None and self.extra_negatives:
+            raise bad("guide_model", "cannot be combined with --extra-negatives yet (the guide "
+                                     "would have to score the qq/dd columns too): use one")
+        if self.distill is not None and self.num_hard_negatives < 1:
+            raise bad("distill", "compares each positive with its hard negatives: give "
+                                 "--num-hard-negatives 1 or more (and records with "
+                                 "pos_score and neg_scores)")
+        if self.guide_model not in (None, "self") and not Path(self.guide_model).exists():
+            raise bad("guide_model", "must be 'self' (the model's starting weights) or an "
+                                     "existing model folder")
 
     def _validate_multivector(self, bad: Any) -> None:
         """The options of ``--pooling multivector`` (late interaction, text models)."""
@@ -380,7 +419,8 @@ def _key_lines(text: str, source: str) -> dict[Any, int]:
     return out
 
 
-_PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume", "data_root")
+_PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume", "data_root",
+              "guide_model")
 
 
 def _resolve_path(key: str, value: Any, base: Path) -> Any:
@@ -391,8 +431,8 @@ def _resolve_path(key: str, value: Any, base: Path) -> Any:
         return value
     path = Path(value).expanduser()
     if not path.is_absolute():
-        if key == "model" and not (base / path).exists():
-            return value  # a hub name, or a missing folder check_model_source names
+        if key in ("model", "guide_model") and not (base / path).exists():
+            return value  # a hub name, a missing folder check_model_source names, "self"
         path = base.absolute() / path
     return os.path.normpath(path)
 

@@ -34,6 +34,7 @@ from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run, la
                          save_checkpoint, write_errors)
 from .config import TrainConfig
 from .corpus import FixedCorpus
+from .guide import Guide
 from .logging import RunLogger, eval_columns, format_eval_row, plot_metrics
 from .memory_check import check_fits, describe, estimate_run_step, free_memory
 from .outdir import check_output_dir, claim_output_dir, remove_created
@@ -151,6 +152,9 @@ class Trainer:
         barrier(info)
         self.records = load_records(config.train_data, config.train_split,
                                     config.num_hard_negatives, config.data_root)
+        if config.distill:  # every record needs its teacher scores, before any model loads
+            from ..data.records import check_teacher_scores
+            check_teacher_scores(self.records)
         if config.eval_data:  # a bad evaluation set stops the run now, not after training
             check_beir_split(config.eval_data, config.eval_split, config.best_metric)
         if config.grad_cache_chunk > config.batch_size:
@@ -169,7 +173,11 @@ class Trainer:
         # clipped together each step
         self.all_params = self.model_params + list(self.loss_fn.parameters())
         self.batches = EpochBatches(self.records, config.batch_size, config.num_hard_negatives,
-                                    config.seed, info.rank, info.world_size)
+                                    config.seed, info.rank, info.world_size,
+                                    scores=config.distill is not None)
+        self.guide = None
+        if config.guide_model:
+            self.guide = Guide(config, self.records, device, config.eval_batch_size)
         if len(self.batches) == 0:
             raise ConfigError(f"{len(self.records)} training records are fewer than one global "
                               f"batch ({self.batches.global_batch} = --batch-size x processes)")
@@ -381,7 +389,13 @@ class Trainer:
             result = self.cache.step(query=q, **self.corpus.targets(batch, self.device))
         else:
             d = encoder.step_inputs(batch.docs, "doc")
-            result = self.cache.step(query=q, doc=d, doc_ids=batch.doc_ids)
+            extra: dict[str, Any] = {}
+            if self.guide is not None:  # embedded once, never replayed nor trained
+                extra.update(self.guide.embed(batch.queries, batch.docs))
+            if batch.teacher_scores is not None:
+                extra["teacher_scores"] = torch.tensor(batch.teacher_scores, dtype=torch.float64,
+                                                       device=self.device)
+            result = self.cache.step(query=q, doc=d, doc_ids=batch.doc_ids, **extra)
         if scaler is not None:
             scaler.unscale_(optimizer)
         if config.max_grad_norm > 0:
