@@ -38,33 +38,31 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _eval_rows(metrics_path: Path, up_to: int | None) -> list[dict[str, Any]]:
-    """The evaluation rows of ``metrics.jsonl`` (steps up to ``up_to``), the last of each step."""
-    rows: dict[int, dict[str, Any]] = {}
+def _rows(metrics_path: Path, kind: str, up_to: int | None) -> list[dict[str, Any]]:
+    """The rows of ``kind`` in ``metrics.jsonl`` with steps up to ``up_to`` (None: all), in
+    file order; torn or foreign lines are skipped."""
+    out = []
     if metrics_path.exists():
         for line in metrics_path.read_text().splitlines():
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(rec, dict) and rec.get("kind") == "eval" and (
-                    up_to is None or rec.get("step", 0) <= up_to):
-                rows[int(rec["step"])] = rec
+            if isinstance(rec, dict) and rec.get("kind") == kind and isinstance(
+                    rec.get("step"), int) and (up_to is None or rec["step"] <= up_to):
+                out.append(rec)
+    return out
+
+
+def _eval_rows(metrics_path: Path, up_to: int | None) -> list[dict[str, Any]]:
+    """The evaluation rows (steps up to ``up_to``), the last of each step, by step."""
+    rows = {rec["step"]: rec for rec in _rows(metrics_path, "eval", up_to)}
     return [rows[s] for s in sorted(rows)]
 
 
 def _last_train_row(metrics_path: Path, up_to: int | None) -> dict[str, Any]:
-    last: dict[str, Any] = {}
-    if metrics_path.exists():
-        for line in metrics_path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict) and rec.get("kind") == "train" and (
-                    up_to is None or rec.get("step", 0) <= up_to):
-                last = rec
-    return last
+    rows = _rows(metrics_path, "train", up_to)
+    return rows[-1] if rows else {}
 
 
 def _hub_id(name: str) -> str | None:
@@ -232,16 +230,13 @@ def render_model_card(model_dir: str | Path, config: Any, state: dict[str, Any],
 def _log_table(metrics_path: Path, evals: list[dict[str, Any]], metric: str,
                mark_step: int) -> str:
     """sentence-transformers' training-log table: epoch, step, the training loss at that step
-    and the evaluation metric, one row per evaluation (or per logged step without any)."""
-    losses: dict[int, tuple[float, float]] = {}
-    for line in metrics_path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("kind") == "train":
-            losses[int(rec["step"])] = (rec.get("epoch", float("nan")), rec.get("loss"))
+    and the evaluation metric, one row per evaluation (without any, about 20 of the logged
+    steps, the last among them)."""
+    losses = {rec["step"]: (rec.get("epoch", float("nan")), rec.get("loss"))
+              for rec in _rows(metrics_path, "train", None)}
     steps = [r["step"] for r in evals] or sorted(losses)
+    if not evals and len(steps) > 20:  # no evaluations: about 20 logged steps and the last
+        steps = sorted({*steps[::-(-len(steps) // 20)], steps[-1]})
     by_step = {r["step"]: r for r in evals}
     lines = [f"| Epoch | Step | Training Loss | {metric} |", "|:-----:|:----:|:-------------:|:------:|"]
     for s in steps:
