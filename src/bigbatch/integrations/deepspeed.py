@@ -20,14 +20,14 @@ their gradient over ranks in its one end-of-step all-reduce, and a small torch o
 steps them (:func:`deepspeed_cache` passes ``params=[]``, so that all-reduce carries the
 loss's parameters and the failure flags, never the model's).
 
-Refused (:class:`~bigbatch.errors.ConfigError`, before any gradient):
-``gradient_accumulation_steps`` other than 1 (a GradCache step is already the whole batch;
-raise ``--batch-size`` instead), ZeRO stage 0 (DeepSpeed's own data parallelism reduces on
-every backward; use the plain engine with DDP), a DeepSpeed without
-``coalesce_grad_reduction`` (older than 0.18), and DeepSpeed's fp16/bf16 optimizer
-wrappers (DeepSpeed raises ``NotImplementedError`` for them in
-``coalesce_grad_reduction``; use float32 master weights with ``--dtype bfloat16``
-autocast instead).
+Refused (:class:`~bigbatch.errors.ConfigError`, before any gradient, by
+:func:`check_engine`): ``gradient_accumulation_steps`` other than 1 (a GradCache step is
+already the whole batch; raise the batch size instead), ZeRO stage 0 (DeepSpeed's own data
+parallelism reduces on every backward; use the plain engine with DDP), and a DeepSpeed
+without ``coalesce_grad_reduction`` (deepspeedai/DeepSpeed#7992; tested with 0.19.8).
+DeepSpeed itself raises ``NotImplementedError`` in ``coalesce_grad_reduction`` for its
+fp16/bf16 optimizer wrappers: keep float32 master weights and autocast (``--dtype
+bfloat16``); ``bigbatch train --deepspeed`` refuses them in :func:`read_config`.
 
 Example::
 
@@ -113,8 +113,9 @@ def check_engine(engine: Any) -> int:
             without ``coalesce_grad_reduction``.
     """
     if not hasattr(engine, "coalesce_grad_reduction"):
-        raise ConfigError("this DeepSpeed has no engine.coalesce_grad_reduction() (added in "
-                          "DeepSpeed 0.18); upgrade it (pip install -U deepspeed)")
+        raise ConfigError("this DeepSpeed has no engine.coalesce_grad_reduction() (added by "
+                          "deepspeedai/DeepSpeed#7992; tested with 0.19.8): upgrade it "
+                          "(pip install -U 'deepspeed>=0.19.8')")
     gas = int(engine.gradient_accumulation_steps())
     if gas != 1:
         raise ConfigError(f"DeepSpeed config: gradient_accumulation_steps is {gas}; a GradCache "
