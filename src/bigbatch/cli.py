@@ -108,7 +108,8 @@ _HELP = {
                  "section: bigbatch sets them; see docs/guides/deepspeed-and-reporting.md) "
                  "(default: none, plain torch)",
     "report_to": "where metrics go besides metrics.jsonl: comma-separated tensorboard, wandb "
-                 "(offline with WANDB_MODE=offline), or none",
+                 "(offline with WANDB_MODE=offline), or none (default: tensorboard, when the "
+                 "tensorboard package is installed)",
     "push_to_hub": "upload final/ (with its model card README.md) to this Hugging Face Hub "
                    "repository (namespace/name) at the end of the run (default: none)",
     "query_length": "multivector: pad queries with mask tokens to this many tokens and cut "
