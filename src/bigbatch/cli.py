@@ -117,6 +117,15 @@ _HELP = {
     "pooling": "mean, cls, last (one vector per text), or multivector (one per token, "
                "ColBERT / PyLate: MaxSim loss and retrieval)",
     "multivector_dim": "multivector: width of the token vectors (a linear projection)",
+    "deepspeed": "a DeepSpeed JSON configuration: train under ZeRO stage 1 or 2, the chunks' "
+                 "gradients reduced once per step (no optimizer, scheduler, fp16 or bf16 "
+                 "section: bigbatch sets them; see docs/guides/deepspeed-and-reporting.md) "
+                 "(default: none, plain torch)",
+    "report_to": "where metrics go besides metrics.jsonl: comma-separated tensorboard, wandb "
+                 "(offline with WANDB_MODE=offline), or none (default: tensorboard, when the "
+                 "tensorboard package is installed)",
+    "push_to_hub": "upload final/ (with its model card README.md) to this Hugging Face Hub "
+                   "repository (namespace/name) at the end of the run (default: none)",
     "query_length": "multivector: pad queries with mask tokens to this many tokens and cut "
                     "them there (ColBERT's query augmentation; 0: off)",
     "guide_model": "guided false-negative filtering (GISTEmbed): a frozen guide model folder, "

@@ -17,7 +17,7 @@ from ..maxsim import MaxSimInfoNCE
 from .config import TrainConfig, model_positions
 
 __all__ = ["DTYPES", "device_for", "build_encoder", "build_loss", "build_optimizer",
-           "build_cache", "embedding_width", "check_matryoshka_width"]
+           "build_cache", "build_deepspeed", "embedding_width", "check_matryoshka_width"]
 
 # --dtype: the autocast dtype of the encoder (None: float32, no autocast)
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -173,11 +173,32 @@ def build_optimizer(config: TrainConfig, model_params: list[torch.nn.Parameter],
     return torch.optim.AdamW(groups, lr=config.lr)
 
 
+def build_deepspeed(config: TrainConfig, encoder: torch.nn.Module,
+                    model_params: list[torch.nn.Parameter], max_steps: int,
+                    world_size: int) -> Any:
+    """``--deepspeed``: the DeepSpeed engine over the encoder, with AdamW over the model's
+    trainable parameters and its warmup and schedule (stepped by ``engine.step()``); the
+    temperature stays with the run's own optimizer (see
+    :mod:`bigbatch.integrations.deepspeed`)."""
+    from ..integrations.deepspeed import initialize, read_config
+    from .schedule import make_scheduler
+
+    ds_config = read_config(config.deepspeed, batch_size=config.batch_size,
+                            max_grad_norm=config.max_grad_norm, world_size=world_size)
+    optimizer = torch.optim.AdamW([{"params": model_params,
+                                    "weight_decay": config.weight_decay}], lr=config.lr)
+    scheduler = make_scheduler(optimizer, config.scheduler, config.warmup_steps, max_steps)
+    return initialize(encoder, optimizer, ds_config, lr_scheduler=scheduler)
+
+
 def build_cache(config: TrainConfig, encoder: Any, loss_fn: torch.nn.Module, corpus: Any,
-                scaler: Any, device: torch.device) -> tuple[GradCache, int, int]:
+                scaler: Any, device: torch.device, engine: Any = None
+                ) -> tuple[GradCache, int, int]:
     """The GradCache engine over the encoder's towers, and the (document, query) chunk
     sizes it uses. Query-side tuning embeds documents with the frozen document tower, or
     with ``corpus`` takes no document tower at all; its direct backward is one query chunk.
+    With a DeepSpeed ``engine`` both towers call it, and DeepSpeed reduces the model's
+    gradients (:func:`bigbatch.integrations.deepspeed.deepspeed_cache`).
     """
     query_side = config.mode == "query-side-tune"
     chunk = config.grad_cache_chunk
@@ -202,7 +223,11 @@ def build_cache(config: TrainConfig, encoder: Any, loss_fn: torch.nn.Module, cor
         direct = query_side and config.query_side_backward == "direct"  # one query chunk
         tokens = {name: config.grad_cache_tokens for name in towers
                   if not (direct and name == "query")}
-    cache = GradCache(towers, loss_fn, chunk_size=chunks, chunk_tokens=tokens, collate_fn=collate,
-                      autocast_dtype=DTYPES[config.dtype], scaler=scaler, device=device,
-                      sort_by_length=True, cross_device=corpus is None)
-    return cache, chunk, q_chunk
+    options = dict(collate_fn=collate, autocast_dtype=DTYPES[config.dtype], scaler=scaler,
+                   device=device, sort_by_length=True, cross_device=corpus is None,
+                   chunk_tokens=tokens)
+    if engine is not None:
+        from ..integrations.deepspeed import deepspeed_cache
+        return deepspeed_cache(engine, loss_fn, chunks, towers=list(towers), **options), \
+            chunk, q_chunk
+    return GradCache(towers, loss_fn, chunk_size=chunks, **options), chunk, q_chunk

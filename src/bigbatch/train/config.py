@@ -102,6 +102,9 @@ class TrainConfig:
     distill: str | None = None  # "kl" or "margin-mse" against the records' teacher scores
     distill_weight: float = 1.0
     teacher_temperature: float | None = None
+    deepspeed: str | None = None  # a DeepSpeed JSON configuration (ZeRO stage 1 or 2)
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    push_to_hub: str | None = None  # a Hugging Face Hub repository for final/ and its card
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def validate(self) -> "TrainConfig":
@@ -196,6 +199,9 @@ class TrainConfig:
         metric = self.best_metric.removeprefix("unseen/")
         if metric not in METRIC_NAMES:
             raise bad("best_metric", f"must be one of {METRIC_NAMES} (optionally 'unseen/...')")
+        self._validate_reporting(bad)
+        if self.deepspeed:
+            self._validate_deepspeed(bad)
         return self
 
     def _validate_guide_and_distill(self, bad: Any) -> None:
@@ -229,6 +235,42 @@ class TrainConfig:
         if self.guide_model not in (None, "self") and not Path(self.guide_model).exists():
             raise bad("guide_model", "must be 'self' (the model's starting weights) or an "
                                      "existing model folder")
+
+    def _validate_reporting(self, bad: Any) -> None:
+        """``--report-to`` names known reporters (``none`` alone), ``--push-to-hub`` a
+        repository id ``namespace/name`` or ``name``."""
+        from .logging import REPORTERS, check_reporters
+
+        unknown = [r for r in self.report_to if r not in (*REPORTERS, "none")]
+        if unknown:
+            raise bad("report_to", f"unknown {unknown}; choose from "
+                                   f"{', '.join((*REPORTERS, 'none'))}")
+        if "none" in self.report_to and len(self.report_to) > 1:
+            raise bad("report_to", "'none' cannot be combined with other reporters")
+        check_reporters(self.report_to)
+        if self.push_to_hub is not None:
+            parts = self.push_to_hub.split("/")
+            if not 1 <= len(parts) <= 2 or not all(parts) or any(" " in x for x in parts):
+                raise bad("push_to_hub", "must be a Hub repository id: name or namespace/name")
+
+    def _validate_deepspeed(self, bad: Any) -> None:
+        """``--deepspeed``: the JSON file is read and checked now (before any data loads),
+        and the options it cannot run with are refused."""
+        from ..integrations.deepspeed import read_config
+
+        read_config(self.deepspeed, batch_size=self.batch_size,
+                    max_grad_norm=self.max_grad_norm,
+                    world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        if self.mode != "standard":
+            raise bad("mode", "--deepspeed trains both towers through one DeepSpeed engine: "
+                              "'standard' only")
+        if self.dtype == "float16":
+            raise bad("dtype", "float16 needs a loss scaler that --deepspeed does not run; use "
+                               "bfloat16")
+        if self.resume:
+            raise bad("resume", "resuming a --deepspeed run is not supported yet (its "
+                                "checkpoints hold the weights, not DeepSpeed's optimizer "
+                                "partitions); start from a checkpoint's weights with --model")
 
     def _validate_multivector(self, bad: Any) -> None:
         """The options of ``--pooling multivector`` (late interaction, text models)."""
@@ -420,7 +462,7 @@ def _key_lines(text: str, source: str) -> dict[Any, int]:
 
 
 _PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume", "data_root",
-              "guide_model")
+              "guide_model", "deepspeed")
 
 
 def _resolve_path(key: str, value: Any, base: Path) -> Any:

@@ -27,8 +27,8 @@ import torch
 from .. import distributed as D
 from .._progress import progress_bar
 from ..errors import ConfigError
-from .build import (DTYPES, build_cache, build_encoder, build_loss, build_optimizer,
-                    check_matryoshka_width, device_for)
+from .build import (DTYPES, build_cache, build_deepspeed, build_encoder, build_loss,
+                    build_optimizer, check_matryoshka_width, device_for)
 from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run, latest_checkpoint,
                          load_checkpoint, recover_output_dir, rotate_checkpoints,
                          save_checkpoint, write_errors)
@@ -169,7 +169,9 @@ class Trainer:
             if config.doc_negatives == "corpus" else None
         self.loss_fn = build_loss(config, self.corpus, device)
         self.model_params = self.encoder.trainable_parameters()
-        self.optimizer = build_optimizer(config, self.model_params, self.loss_fn)
+        # --deepspeed: DeepSpeed steps the model; this optimizer keeps the temperature alone
+        self.optimizer = build_optimizer(config, [] if config.deepspeed else self.model_params,
+                                         self.loss_fn)
         # clipped together each step
         self.all_params = self.model_params + list(self.loss_fn.parameters())
         self.batches = EpochBatches(self.records, config.batch_size, config.num_hard_negatives,
@@ -188,8 +190,11 @@ class Trainer:
                                         self.max_steps)
         amp = DTYPES[config.dtype]
         self.scaler = torch.amp.GradScaler(device.type) if amp is torch.float16 else None
+        self.engine = build_deepspeed(config, self.encoder, self.model_params, self.max_steps,
+                                      info.world_size) if config.deepspeed else None
         self.cache, self.chunk, self.q_chunk = build_cache(config, self.encoder, self.loss_fn,
-                                                           self.corpus, self.scaler, device)
+                                                           self.corpus, self.scaler, device,
+                                                           self.engine)
         self.state: dict[str, Any] = {
             "step": 0, "epoch": 0, "index": 0, "best": None, "best_step": None, "examples": 0,
             "base_metrics": None, "num_records": len(self.records),
@@ -271,9 +276,13 @@ class Trainer:
         if not config.resume:
             self._claim()
         self.logger = RunLogger(self.out, enabled=info.is_main,  # a resume drops rows it redoes
-                                resume_step=self.state["step"] if config.resume else None)
-        self.step_memory = estimate_run_step(self.cache, self.encoder, self.records, config,
-                                             self.device, info.world_size, self.model_params)
+                                resume_step=self.state["step"] if config.resume else None,
+                                report_to=config.report_to, name=self.out.name,
+                                settings={**config.to_dict(), "run_id": self.run_id})
+        # (under DeepSpeed the probe's backward would go through the engine: not estimated)
+        self.step_memory = None if self.engine is not None else estimate_run_step(
+            self.cache, self.encoder, self.records, config, self.device, info.world_size,
+            self.model_params)
         if self.step_memory is not None:  # stop now, with the numbers, rather than at step 1
             check_fits(self.step_memory, free_memory(self.device), self.device)
         if info.is_main:
@@ -348,7 +357,24 @@ class Trainer:
         if better:
             self.state["best"], self.state["best_step"] = value, step
             self.save(self.out / "best")
+            if self.info.is_main:  # its model card, in best/ and beside the weights
+                for folder in (self.out / "best" / "model", self.out / "best"):
+                    self._write_card(folder, kind="best", model_dir=self.out / "best" / "model")
         return better
+
+    def _write_card(self, folder: Path, kind: str = "final", model_dir: Path | None = None
+                    ) -> Path:
+        """The model card ``README.md`` of the weights saved in ``model_dir`` (default
+        ``folder``), written into ``folder`` with the run's figures so far."""
+        from .card import render_model_card
+        from .durable import write_text_atomic
+
+        state = {**self.state, "global_batch": self.batches.global_batch}
+        text = render_model_card(model_dir or folder, self.config, state,
+                                 self.out / "metrics.jsonl", kind=kind,
+                                 repo_id=self.config.push_to_hub if kind == "final" else None)
+        write_text_atomic(folder / "README.md", text)
+        return folder / "README.md"
 
     def _save_step(self, step: int) -> None:
         """Write ``checkpoint-<step>`` and drop the oldest beyond ``--save-total-limit``."""
@@ -385,8 +411,12 @@ class Trainer:
         q = encoder.step_inputs(batch.queries, "query", max_length=config.query_max_length)
         t0 = time.time()
         optimizer.zero_grad(set_to_none=True)
+        step = self.cache.step
+        if self.engine is not None:  # the replays' gradients reduced once, by DeepSpeed
+            from ..integrations.deepspeed import deepspeed_step
+            step = lambda **inputs: deepspeed_step(self.engine, self.cache, **inputs)  # noqa: E731
         if self.corpus is not None:
-            result = self.cache.step(query=q, **self.corpus.targets(batch, self.device))
+            result = step(query=q, **self.corpus.targets(batch, self.device))
         else:
             d = encoder.step_inputs(batch.docs, "doc")
             extra: dict[str, Any] = {}
@@ -395,14 +425,21 @@ class Trainer:
             if batch.teacher_scores is not None:
                 extra["teacher_scores"] = torch.tensor(batch.teacher_scores, dtype=torch.float64,
                                                        device=self.device)
-            result = self.cache.step(query=q, doc=d, doc_ids=batch.doc_ids, **extra)
+            result = step(query=q, doc=d, doc_ids=batch.doc_ids, **extra)
         if scaler is not None:
             scaler.unscale_(optimizer)
-        if config.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.all_params, config.max_grad_norm)
+        if self.engine is not None:  # DeepSpeed clips, steps AdamW and the model's schedule
+            self.engine.step()
+            grad_norm = self.engine.get_global_grad_norm() or 0.0
+            clipped = list(self.loss_fn.parameters())  # the temperature, alone
         else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.all_params
-                                                       if p.grad is not None])
+            clipped = self.all_params
+        if config.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(clipped, config.max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in clipped if p.grad is not None])
+        if self.engine is None:
+            grad_norm = norm
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -420,6 +457,23 @@ class Trainer:
                       epoch=batch.epoch + (batch.index + 1) / len(self.batches),
                       examples_per_s=n / max(time.time() - t0, 1e-9))
         return values
+
+    def _push(self) -> dict[str, Any]:
+        """Upload ``final/`` (weights and card) to ``--push-to-hub``; a failed upload is
+        reported (the run's files are all written) with how to retry, not raised."""
+        from .hub import push_folder
+
+        repo, final = self.config.push_to_hub, self.out / "final"
+        try:
+            url = push_folder(final, repo, f"bigbatch train: {self.out.name}, step "
+                                           f"{self.state['step']} (run {self.run_id})")
+        except Exception as e:  # noqa: BLE001 - the network, a token, a name taken
+            print(f"bigbatch train: could not push {final} to the Hub repository {repo}: "
+                  f"{type(e).__name__}: {e}. The model is saved; upload it later with "
+                  f"`huggingface-cli upload {repo} {final}`", flush=True)
+            return {"repo": repo, "error": f"{type(e).__name__}: {e}"}
+        print(f"bigbatch train: pushed {final} to {url}", flush=True)
+        return {"repo": repo, "url": url}
 
     # ------------------------------------------------------------------ finish
     def stop(self) -> dict[str, Any]:
@@ -476,6 +530,7 @@ class Trainer:
             if self.consider_best(self.last_metrics, state["step"]):  # the final checkpoint
                 self.save(out / f"checkpoint-{state['step']:06d}")    # records it
         if info.is_main:
+            self._write_card(out / "final")  # with the final evaluation's figures
             if (out / "metrics.jsonl").exists():
                 plot_metrics(out / "metrics.jsonl", out / "training_curves.png",
                              eval_keys=tuple(dict.fromkeys(("ndcg@10", "recall@10", "mrr@10",
@@ -499,6 +554,8 @@ class Trainer:
             summary["base_beats_best"] = True
             if self.info.is_main:
                 print(f"bigbatch train: note: {note}", flush=True)
+        if self.config.push_to_hub and self.info.is_main:
+            summary["push_to_hub"] = self._push()
         if self.info.is_main:
             import json
             (out / "summary.json").write_text(json.dumps(summary, indent=2))

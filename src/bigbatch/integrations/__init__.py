@@ -1,0 +1,1 @@
+"""Integrations of the bigbatch engine into the training loops users already run."""
