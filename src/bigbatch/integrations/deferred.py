@@ -38,7 +38,31 @@ from ..cache import GradCache
 from ..errors import ConfigError
 from ..loss_contract import scalar_loss
 
-__all__ = ["gradcache_loss", "evaluation_loss", "trainable_params", "wants_sync"]
+__all__ = ["gradcache_loss", "evaluation_loss", "trainable_params", "wants_sync",
+           "check_wrappers"]
+
+#: module prefixes of the training engines whose models the integrations refuse, with why
+UNSUPPORTED_WRAPPERS = {
+    "deepspeed": "DeepSpeed reduces and partitions gradients in its own engine.backward(), "
+                 "which the cached step does not go through",
+}
+
+
+def check_wrappers(cache: GradCache) -> None:
+    """Refuse a tower wrapped by a training engine the integrations do not support.
+
+    Raises:
+        ConfigError: a DeepSpeed engine, naming the tower and what to use instead."""
+    for name, tower in cache.towers.items():
+        modules = [cls.__module__ for cls in type(tower).__mro__]  # a subclass counts too
+        for prefix, why in UNSUPPORTED_WRAPPERS.items():
+            module = next((m for m in modules if m == prefix or m.startswith(prefix + ".")), None)
+            if module is not None:
+                raise ConfigError(
+                    f"tower {name!r} is a {type(tower).__name__} ({module}): the bigbatch "
+                    f"integrations run on one process or under DDP, not under {prefix} ({why}); "
+                    f"train without the {prefix} config (DDP is the trainer's default), or use "
+                    f"bigbatch's own loop (`bigbatch train`, FSDP2 for sharding)")
 
 
 def trainable_params(cache: GradCache, params: Iterable[nn.Parameter] | None = None
@@ -98,9 +122,11 @@ def gradcache_loss(cache: GradCache, *, params: Iterable[nn.Parameter] | None = 
         optimizer.step(); optimizer.zero_grad(); loss_fn.clamp_()
 
     Raises:
+        ConfigError: a tower wrapped by DeepSpeed (:func:`check_wrappers`).
         what :meth:`bigbatch.GradCache.step` raises; the gradients of earlier micro-batches
         are then put back as they were.
     """
+    check_wrappers(cache)
     plist = trainable_params(cache, params)
     sync = (wants_sync(cache) if sync is None else sync) and cache.sync_gradients
     earlier = [p.grad for p in plist]
