@@ -1,8 +1,9 @@
 """Run by tests/integrations/test_hf_trainer.py, on one process or under
 ``accelerate launch --num_processes 2 --cpu``: one optimizer step of bigbatch's
 GradCacheTrainer (transformers.Trainer) and one of a hand-written accelerate loop
-(gradcache_loss + accelerator.backward), float64, on a tiny BERT TextEncoder. Each rank
-writes the batches it trained on and its gradients to --out, for the global-batch reference;
+(gradcache_loss + accelerator.backward), float64, on a tiny BERT TextEncoder with dropout.
+Each rank writes the batches it trained on, the random state each step started from and its
+gradients to --out, for the global-batch reference;
 both runs accumulate gradients over 2 micro-batches."""
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def make_loss():
     return loss
 
 
+def record(batch: dict) -> dict:
+    """A micro-batch and the random state its step starts from (its dropout masks follow)."""
+    return {"batch": {k: {f: t.clone() for f, t in v.items()} for k, v in batch.items()},
+            "rng": torch.get_rng_state()}
+
+
 def grads_of(encoder, loss) -> dict[str, torch.Tensor]:
     out = {n: p.grad.detach().clone() for n, p in encoder.named_parameters() if p.grad is not None}
     out["loss.log_scale"] = loss.logit_scale.log_scale.grad.detach().clone()
@@ -61,7 +68,8 @@ def run_trainer(model_path: str, out: Path, rank: int) -> None:
 
     class Recording(GradCacheTrainer):
         def compute_loss(self, model, inputs, *a, **kw):
-            seen.append({k: {f: t.clone() for f, t in v.items()} for k, v in inputs.items()})
+            if torch.is_grad_enabled():
+                seen.append(record(inputs))
             return super().compute_loss(model, inputs, *a, **kw)
 
     class Capture(TrainerCallback):
@@ -94,10 +102,11 @@ def run_accelerate(model_path: str, out: Path, rank: int) -> None:
                         collate_fn=collate(encoder))
     model, optimizer, loader = accelerator.prepare(encoder, optimizer, loader)
     cache = bb.GradCache({"query": model, "doc": model}, loss_fn, chunk_size=CHUNK)
+    model.train()  # dropout on
     seen = []
     for batch in loader:
         with accelerator.accumulate(model):
-            seen.append({k: {f: t.clone() for f, t in v.items()} for k, v in batch.items()})
+            seen.append(record(batch))
             loss = gradcache_loss(cache, **batch)
             accelerator.backward(loss)
             if accelerator.sync_gradients:

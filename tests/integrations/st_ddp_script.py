@@ -1,6 +1,7 @@
 """Run by tests/integrations/test_st_distributed.py under ``torchrun --nproc_per_node=2``:
-one optimizer step of ``SentenceTransformerTrainer`` on a tiny BERT, with bigbatch's
-CachedInfoNCELoss in float64 (gradients and each rank's batch written to --out), then one
+one optimizer step of ``SentenceTransformerTrainer`` on a tiny BERT with dropout, with bigbatch's
+CachedInfoNCELoss in float64 (gradients, each rank's batch and its random state at the step
+written to --out), then one
 step in float32 with bigbatch's loss and one with sentence-transformers'
 CachedMultipleNegativesRankingLoss, counting the collectives of each step.
 
@@ -139,17 +140,19 @@ def main() -> None:
 
         def forward(self, sentence_features, labels=None):
             features = list(sentence_features)
-            self.seen = [{k: v.clone() if torch.is_tensor(v) else v for k, v in f.items()} for f in features]
+            self.seen = [{k: v.clone() if torch.is_tensor(v) else v for k, v in f.items()}
+                         for f in features]
+            self.rng = torch.get_rng_state()  # the dropout masks of the first pass follow
             return super().forward(features, labels)
 
-    # 1. exactness: float64, learnable scale, dropout off
+    # 1. exactness: float64, learnable scale, dropout on
     model = make_model(a.model, torch.float64)
     loss = Recording(model, scale=20.0, mini_batch_size=CHUNK).double()
     with torch.no_grad():  # exactly 20 in float64, not float32's nearest value
         loss.loss.info_nce.logit_scale.log_scale.fill_(math.log(20.0))
     exact = train_one_step(model, loss, out, "exact", capture=True)
     rank = int(os.environ["RANK"])
-    torch.save(loss.seen, out / f"exact_batch_rank{rank}.pt")
+    torch.save({"features": loss.seen, "rng": loss.rng}, out / f"exact_batch_rank{rank}.pt")
 
     # 2. counts at the same batch and chunk, float32
     bb_model = make_model(a.model, torch.float32)

@@ -1,7 +1,9 @@
 """bigbatch inside transformers.Trainer (GradCacheTrainer) and inside an accelerate loop
-(gradcache_loss + accelerator.backward), float64, tiny BERT, gradient accumulation over 2
-micro-batches: the gradients before the optimizer step equal those of the mean over the
-micro-batches of the full (global) batch's InfoNCE, written out by hand; on one process, and
+(gradcache_loss + accelerator.backward), float64, tiny BERT with dropout on, gradient
+accumulation over 2 micro-batches: the gradients before the optimizer step equal those of
+the mean over the micro-batches of the full (global) batch's InfoNCE, written out by hand,
+each rank's chunks embedded from the random state its step started from (the same dropout
+masks); on one process, and
 on 2 processes started by ``accelerate launch`` (gloo), where every query's negatives are
 the documents of both ranks. The runs are tests/integrations/hf_script.py."""
 
@@ -25,16 +27,33 @@ from pipeline_helpers import tiny_bert  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def embed_as_the_step(encoder, seen: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's micro-batch embedded with a full graph, chunk by chunk in the order of the
+    step's first pass (queries, then documents), from the random state the step started
+    from: the same dropout masks."""
+    from sentence_transformers.base.losses.gradcache import _create_minibatch
+
+    torch.set_rng_state(seen["rng"])
+    out = []
+    for tower in ("query", "doc"):
+        inputs = seen["batch"][tower]
+        n = inputs["input_ids"].shape[0]
+        out.append(torch.cat([encoder(**_create_minibatch(inputs, lo, lo + hf_script.CHUNK))
+                              for lo in range(0, n, hf_script.CHUNK)]))
+    return out[0], out[1]
+
+
 def reference(model_path: Path, per_rank: list[list[dict]]) -> dict[str, torch.Tensor]:
     """The gradient of mean_m CE(s * q_m d_m^T), q_m and d_m micro-batch m of every rank."""
-    encoder = hf_script.make_encoder(str(model_path)).eval()
+    encoder = hf_script.make_encoder(str(model_path)).train()
     log_scale = torch.tensor(math.log(1 / hf_script.TEMPERATURE), dtype=torch.float64,
                              requires_grad=True)
     micro = len(per_rank[0])
     total = 0.0
     for m in range(micro):
-        q = torch.cat([encoder(**batches[m]["query"]) for batches in per_rank])
-        d = torch.cat([encoder(**batches[m]["doc"]) for batches in per_rank])
+        pieces = [embed_as_the_step(encoder, seen[m]) for seen in per_rank]
+        q = torch.cat([p[0] for p in pieces])
+        d = torch.cat([p[1] for p in pieces])
         logits = log_scale.exp() * q @ d.T
         total = total + torch.nn.functional.cross_entropy(logits, torch.arange(len(q))) / micro
     total.backward()
@@ -56,7 +75,7 @@ def check(model_path: Path, out: Path, run: str, world: int) -> None:
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory) -> Path:
-    return tiny_bert(tmp_path_factory.mktemp("hf") / "bert", dropout=0.0)
+    return tiny_bert(tmp_path_factory.mktemp("hf") / "bert", dropout=0.1)
 
 
 def test_trainer_and_accelerate_loop_on_one_process(bert, tmp_path):
