@@ -174,7 +174,8 @@ class CachedInfoNCELoss(nn.Module):
             (``[pos_id, neg_1_id, ...]``, or one id when there are no negatives);
             ``"text"``: the tokens (the same text is the same document); ``"auto"``
             (default): the labels when the dataset has an integer ``label`` column, else the
-            text; ``"none"``: no masking, exactly ``MultipleNegativesRankingLoss``.
+            text (none for columns without tokens, such as images); ``"none"``: no masking,
+            exactly ``MultipleNegativesRankingLoss``.
         gather_across_devices: under DDP, score every rank's queries against the documents
             of all ranks (the global batch); False: each rank's batch alone.
         false_negative_margin: also mask a negative more similar than the positive plus
@@ -262,11 +263,12 @@ class CachedInfoNCELoss(nn.Module):
         source = self.ids
         is_int = (isinstance(labels, Tensor) and not labels.is_floating_point()
                   and not labels.is_complex() and labels.dtype != torch.bool)
-        if source == "auto":
-            source = "labels" if is_int else "text"
+        docs = features[1:]
+        if source == "auto":  # labels, else the text, else (no tokens: images) no masking
+            tokenized = all("input_ids" in f for f in docs)
+            source = "labels" if is_int else "text" if tokenized else "none"
         if source == "none":
             return None
-        docs = features[1:]
         rows = features[0]["input_ids"].shape[0] if "input_ids" in features[0] else None
         if source == "labels":
             if not is_int:
