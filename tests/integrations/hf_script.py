@@ -9,6 +9,7 @@ both runs accumulate gradients over 2 micro-batches."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from pathlib import Path
@@ -86,6 +87,11 @@ def run_trainer(model_path: str, out: Path, rank: int) -> None:
                         data_collator=collate(encoder), loss_fn=loss, chunk_size=CHUNK,
                         callbacks=[Capture()])
     trainer.train()
+    # the Trainer's evaluation (the loss, chunk by chunk) and saving (a bigbatch encoder folder)
+    metrics = trainer.evaluate(eval_dataset=pairs(B_LOCAL * 2))
+    trainer.save_model(str(out / "trainer_saved"))
+    if rank == 0:
+        (out / "trainer_eval.json").write_text(json.dumps(metrics))
 
 
 def run_accelerate(model_path: str, out: Path, rank: int) -> None:

@@ -9,6 +9,7 @@ the documents of both ranks. The runs are tests/integrations/hf_script.py."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -79,10 +80,15 @@ def bert(tmp_path_factory) -> Path:
 
 
 def test_trainer_and_accelerate_loop_on_one_process(bert, tmp_path):
+    from bigbatch.encoders import load_encoder
+
     hf_script.run_trainer(str(bert), tmp_path, 0)
     hf_script.run_accelerate(str(bert), tmp_path, 0)
     check(bert, tmp_path, "trainer", 1)
     check(bert, tmp_path, "accelerate", 1)
+    assert math.isfinite(json.loads((tmp_path / "trainer_eval.json").read_text())["eval_loss"])
+    saved = load_encoder(tmp_path / "trainer_saved")  # the encoder's own folder
+    assert saved.encode(["a question"]).shape == (1, 32)
 
 
 def test_accelerate_launch_two_processes_equal_the_global_batch(bert, tmp_path):
