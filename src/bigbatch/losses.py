@@ -201,6 +201,10 @@ class InfoNCE(TemperatureLoss):
         dense: compute all ``B x N`` logits at once through autograd (the reference).
         max_block_logits: bound on one automatic block's logits (default 2**22 = 4,194,304,
             16 MiB in float32).
+        in_batch_negatives: score each query against every document of the (global) batch
+            (the default); False: against its own positive and hard negatives only, for
+            classification-style data whose labels repeat across a batch. An attribute a
+            training loop may change between steps (a source of a mix at a time).
 
     Inputs (``loss_fn(query=q, doc=d, doc_ids=None)``):
         query: ``(B, D)`` query embeddings.
@@ -232,10 +236,11 @@ class InfoNCE(TemperatureLoss):
                  symmetric: bool = False, max_scale: float = 100.0,
                  false_negative_margin: float | None = None,
                  block_size: int | None = None, dense: bool = False,
-                 max_block_logits: int = MAX_BLOCK_LOGITS) -> None:
+                 max_block_logits: int = MAX_BLOCK_LOGITS, in_batch_negatives: bool = True) -> None:
         check_blocking(block_size, dense, max_block_logits)
         super().__init__(temperature, learnable_temperature, max_scale, false_negative_margin)
         self.symmetric = symmetric
+        self.in_batch_negatives = in_batch_negatives
         self.block_size = block_size
         self.dense = dense
         self.max_block_logits = max_block_logits
@@ -245,7 +250,8 @@ class InfoNCE(TemperatureLoss):
                    with_stats: bool) -> tuple[Tensor, Tensor]:
         """Sum of the per-row losses and stats of one direction, streamed or dense."""
         block = rows_per_block(cols.shape[0], self.block_size, self.dense, self.max_block_logits)
-        exclude = Exclusions(col_ids=col_ids, row_ids=row_ids, margin=self.false_negative_margin)
+        exclude = Exclusions(col_ids=col_ids, row_ids=row_ids, margin=self.false_negative_margin,
+                             own_group=None if self.in_batch_negatives else group)
         return cross_entropy_sum(rows, cols, pos, scale, block=block, group=group,
                                  exclude=exclude, with_stats=with_stats)
 

@@ -31,6 +31,7 @@ class Batch:
     doc_ids: list[str]
     epoch: int
     index: int
+    source: str = ""  # the training source's name (a mix: bigbatch.data.mix)
 
 
 class EpochBatches:

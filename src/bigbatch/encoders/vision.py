@@ -100,6 +100,7 @@ class VisionLanguageEncoder(EncoderBase):
     """
 
     encoder_type = "vision-language"
+    prompt_attrs = {"query": "query_instruction", "doc": "doc_instruction"}
 
     def __init__(self, model: str | os.PathLike, *, query_instruction: str = QUERY_INSTRUCTION,
                  doc_instruction: str = DOC_INSTRUCTION, max_num_visual_tokens: int = 256,
@@ -126,6 +127,7 @@ class VisionLanguageEncoder(EncoderBase):
             raise ConfigError(f"max_length must be > 0, got {max_length}")
         self.query_instruction = query_instruction
         self.doc_instruction = doc_instruction
+        self.tasks = {}
         self.max_num_visual_tokens = max_num_visual_tokens
         self.min_num_visual_tokens = min_num_visual_tokens
         self.max_length = max_length
