@@ -219,3 +219,47 @@ def test_a_prompt_left_out_of_pooling_matches_sentence_transformers(assets, tmp_
     back = load_encoder(tmp_path / "m")
     assert back.exclude_prompt_from_pooling
     assert torch.allclose(back.encode(texts, side="query"), ours, atol=1e-6)
+
+
+def test_sources_from_flags_and_the_demo_config(assets, tmp_path, monkeypatch):
+    from bigbatch.cli import build_parser
+    from bigbatch.train import load_config
+
+    tiny, sf, negs = assets
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["train", "--model", str(tiny), "--train-data",
+                                      f"{sf},rel.jsonl", "--train-data", str(negs),
+                                      "--eval-data", str(sf)])
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    cfg = load_config(None, overrides)
+    assert cfg.train_data == [str(sf), str(tmp_path / "rel.jsonl"), str(negs)]
+    assert [s.name for s in cfg.train_sources()] == ["scifact", "rel", "negs"]
+    assert cfg.eval_data == str(sf)  # one path stays a path
+    demo = Path(__file__).resolve().parents[2] / "configs" / "demo_mix.yaml"
+    cfg = load_config(demo, {"model": str(tiny)})
+    specs = cfg.train_sources()
+    assert [(s.name, s.weight) for s in specs] == [("scifact", 0.5), ("titles", 0.5)]
+    assert specs[1].path == str(demo.parents[1] / "runs" / "demo-mix-data" /
+                                "scifact-titles.jsonl")
+    assert specs[1].prompts("text")["query"].startswith("Given the title")
+    cfg.write(tmp_path / "c.yaml")  # the resolved sources written back read the same
+    assert load_config(tmp_path / "c.yaml").train_sources() == specs
+
+
+def test_a_small_source_and_a_prompt_option_that_cannot_apply_are_refused(assets, tmp_path):
+    from bigbatch.errors import ConfigError
+
+    tiny, sf, _ = assets
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"query": f"q{i}", "positive": f"p{i}"}) + "\n"
+                             for i in range(5)))
+    with pytest.raises(ConfigError, match="training source 'small': 5 training records are "
+                                          "fewer than one global batch"):
+        train(config(assets, tmp_path / "run", train_data=[str(sf), str(small)]))
+    with pytest.raises(ConfigError, match="source 'scifact': in_batch_negatives false .* "
+                                          "give num_hard_negatives >= 1"):
+        train(config(assets, tmp_path / "run", train_data=[
+            {"path": str(sf), "in_batch_negatives": False}, str(small)]))
+    with pytest.raises(ConfigError, match="--exclude-instruction-from-pooling: applies to "
+                                          "--pooling mean"):
+        config(assets, tmp_path / "run", pooling="cls", exclude_instruction_from_pooling=True)

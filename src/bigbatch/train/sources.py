@@ -75,6 +75,11 @@ def load_sources(config: TrainConfig, rank: int, world_size: int) -> Any:
     for spec in specs:
         k = config.num_hard_negatives if spec.num_hard_negatives is None \
             else spec.num_hard_negatives
+        if not spec.in_batch_negatives and k == 0:
+            raise ConfigError(f"--train-data source {spec.name!r}: in_batch_negatives false "
+                              f"scores each query against its own documents only, and with "
+                              f"no hard negatives that is its positive alone (the loss is 0); "
+                              f"give num_hard_negatives >= 1")
         records = _load_records(config, spec, k, several)
         batches = EpochBatches(records, config.batch_size, k, config.seed, rank, world_size)
         if len(batches) == 0:
