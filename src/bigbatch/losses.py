@@ -236,7 +236,8 @@ class InfoNCE(TemperatureLoss):
                  symmetric: bool = False, max_scale: float = 100.0,
                  false_negative_margin: float | None = None,
                  block_size: int | None = None, dense: bool = False,
-                 max_block_logits: int = MAX_BLOCK_LOGITS, in_batch_negatives: bool = True) -> None:
+                 max_block_logits: int = MAX_BLOCK_LOGITS,
+                 in_batch_negatives: bool = True) -> None:
         check_blocking(block_size, dense, max_block_logits)
         super().__init__(temperature, learnable_temperature, max_scale, false_negative_margin)
         self.symmetric = symmetric

@@ -107,8 +107,9 @@ def _check_type(name: str, value: Any, where: str) -> Any:
         return None
     if name in ("path", "name", "query_instruction", "doc_instruction", "query_prefix",
                 "doc_prefix"):
-        if not isinstance(value, str) or (name in ("path", "name") and not value.strip()):
-            raise ConfigError(f"{where}: {name} must be a{' non-empty' if name in ('path', 'name') else ''} "
+        required = name in ("path", "name")
+        if not isinstance(value, str) or (required and not value.strip()):
+            raise ConfigError(f"{where}: {name} must be a{' non-empty' if required else ''} "
                               f"string, got {value!r}")
         return value
     if name == "in_batch_negatives":
