@@ -156,7 +156,7 @@ def test_a_bad_record_names_its_source_before_step_one(assets, tmp_path, capsys)
 
 
 def test_several_evaluation_sets_are_reported_and_their_mean_selects_best(
-        assets, tmp_path, monkeypatch):
+        assets, tmp_path, monkeypatch, capsys):
     import bigbatch.evaluate
 
     tiny, sf, negs = assets
@@ -176,6 +176,8 @@ def test_several_evaluation_sets_are_reported_and_their_mean_selects_best(
                            eval_batch_size=32))
     evals = rows(out, "eval")
     assert [r["step"] for r in evals] == [1, 2]
+    header = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("eval"))
+    assert "ndcg@10" in header and "scifact/ndcg@10" in header and "small/ndcg@10" in header
     for r in evals:
         for key in ("ndcg@10", "recall@10"):
             assert r[key] == pytest.approx((r[f"scifact/{key}"] + r[f"small/{key}"]) / 2)
