@@ -73,6 +73,8 @@ def test_a_resumed_mix_reproduces_the_straight_run_and_prompts_follow_the_source
     assert sorted(set(sources)) == ["scifact", "titles"], sources  # the seed draws both
     for r in straight:
         assert r[f"loss/{r['source']}"] == r["loss"]
+        assert r[f"margin/{r['source']}"] == r["margin"]
+    assert "hard_neg_sim/titles" in next(r for r in straight if r["source"] == "titles")
     # every step's queries and documents were tokenized with its source's prompts
     prompts = {"scifact": ("claim: ", ""), "titles": ("Title: ", "abstract: ")}
     query_calls = [p for side, p in calls if side == "query"]

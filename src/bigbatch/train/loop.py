@@ -44,6 +44,9 @@ from .sources import ChainedRecords, data_identity, load_sources, mix_state
 
 __all__ = ["train", "Trainer", "StepCallback", "RunInterrupted", "base_beats_best"]
 
+# the step values logged again under <value>/<source name> in a mix (one curve per source)
+_PER_SOURCE = ("loss", "accuracy", "margin", "pos_sim", "neg_sim", "hard_neg_sim")
+
 # called after each step's logging, evaluation and checkpoint with the step and (a copy of)
 # the training state; True ends the run there, as a kill would
 StepCallback = Callable[[int, dict[str, Any]], bool]
@@ -442,9 +445,9 @@ class Trainer:
             if len(self.sources) == 1 else self.state["step"] / len(self.batches)
         values.update(lr=lr, grad_norm=float(grad_norm), epoch=epoch,
                       examples_per_s=n / max(time.time() - t0, 1e-9))
-        if len(self.sources) > 1:  # each source's curve: loss/<name>, accuracy/<name>
+        if len(self.sources) > 1:  # each source's curves: loss/<name>, accuracy/<name>, ...
             values["source"] = source.name
-            for key in ("loss", "accuracy"):
+            for key in _PER_SOURCE:
                 if key in values:
                     values[f"{key}/{source.name}"] = values[key]
         return values
