@@ -267,3 +267,14 @@ def test_a_small_source_and_a_prompt_option_that_cannot_apply_are_refused(assets
     with pytest.raises(ConfigError, match="--exclude-instruction-from-pooling: applies to "
                                           "--pooling mean"):
         config(assets, tmp_path / "run", pooling="cls", exclude_instruction_from_pooling=True)
+
+
+def test_one_sources_prompts_become_the_models_own(assets, tmp_path):
+    from bigbatch.train.loop import Trainer
+
+    tiny, sf, _ = assets
+    trainer = Trainer(config(assets, tmp_path / "run", train_data=[
+        {"path": str(sf), "query_instruction": "Find the abstract:"}]))
+    assert trainer.encoder.prompts() == {"query": "Find the abstract: ", "doc": ""}
+    assert trainer.encoder.tasks == {} and trainer.sources[0].prompts == {}
+    assert not (tmp_path / "run").exists()  # building a run writes nothing

@@ -42,6 +42,10 @@ def test_a_sources_instructions_reach_every_collated_chunk(tiny_vl, page_images,
     for side, text in seen:
         want = "Find the page." if side == "query" else "A scanned page."
         assert f"system\n{want}<|im_end|>" in text, text
+    with pytest.raises(ConfigError, match=r"query_instruction contains the vision token"):
+        with enc.using_prompts(query="Look: <|image_pad|>"):
+            pass
+    assert enc.prompts() == own
     # a prefix is for text models: a vision-language source is told to use an instruction
     with pytest.raises(ConfigError, match="query_instruction"):
         SourceSpec("x", "x", query_prefix="q: ").prompts("vision-language")

@@ -153,11 +153,16 @@ class EncoderBase(nn.Module, ABC):
         try:
             for side, value in (("query", query), ("doc", doc)):
                 if value is not None:
+                    self.check_prompt(self.prompt_attrs[side], value)
                     setattr(self, self.prompt_attrs[side], value)
             yield
         finally:
             for side, value in saved.items():
                 setattr(self, self.prompt_attrs[side], value)
+
+    def check_prompt(self, name: str, text: str) -> None:
+        """Refuse a prompt this encoder cannot use (``name``: the option that set it); any
+        text is a text encoder's prefix."""
 
     def task_prompts(self, task: str | None) -> dict[str, str]:
         """The prompts of ``task`` (one of :attr:`tasks`), else the encoder's own."""

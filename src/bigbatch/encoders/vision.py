@@ -148,11 +148,7 @@ class VisionLanguageEncoder(EncoderBase):
         self._template_cache: dict[str, tuple[list[int], list[int]]] = {}
         for name, text in (("query_instruction", query_instruction),
                            ("doc_instruction", doc_instruction)):
-            bad = [t for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>",
-                               "<|video_pad|>") if t in text]
-            if bad:
-                raise ConfigError(f"{name} contains the vision token(s) {bad}: the prompt "
-                                  f"places image tokens itself")
+            self.check_prompt(name, text)
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
         if freeze_vision:
             self._vision().requires_grad_(False)
@@ -161,6 +157,18 @@ class VisionLanguageEncoder(EncoderBase):
             self._apply_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules)
         if gradient_checkpointing:
             self._enable_gradient_checkpointing()
+
+    def check_prompt(self, name: str, text: str) -> None:
+        """Refuse an instruction holding a vision token: the prompt places those itself.
+
+        Raises:
+            ConfigError: naming ``name`` and the tokens.
+        """
+        bad = [t for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>",
+                           "<|video_pad|>") if t in text]
+        if bad:
+            raise ConfigError(f"{name} contains the vision token(s) {bad}: the prompt "
+                              f"places image tokens itself")
 
     def _special_id(self, config: Any, attr: str, token: str) -> int:
         value = getattr(config, attr, None)
