@@ -203,8 +203,10 @@ class InfoNCE(TemperatureLoss):
             16 MiB in float32).
         in_batch_negatives: score each query against every document of the (global) batch
             (the default); False: against its own positive and hard negatives only, for
-            classification-style data whose labels repeat across a batch. An attribute a
-            training loop may change between steps (a source of a mix at a time).
+            classification-style data whose labels repeat across a batch (with
+            ``symmetric``, the document-to-query direction then has each positive's own
+            query alone, and adds nothing). An attribute a training loop may change between
+            steps (a source of a mix at a time).
 
     Inputs (``loss_fn(query=q, doc=d, doc_ids=None)``):
         query: ``(B, D)`` query embeddings.
