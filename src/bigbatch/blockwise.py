@@ -98,6 +98,9 @@ class Exclusions:
         guide_rows, guide_cols: a guide model's embeddings of the rows and of the columns
             (any width, detached): a column the guide scores above the row's positive, by
             ``guide_rule`` (:mod:`bigbatch.guided`), is excluded.
+        own_group: when set (the group's width), every column outside the row's own group
+            ``[pos_i, pos_i + own_group)`` is excluded: no in-batch negatives, only the
+            row's own hard negatives (classification-style data, whose labels repeat).
     """
 
     col_ids: Tensor | None = None
@@ -108,6 +111,7 @@ class Exclusions:
     guide_rows: Tensor | None = None
     guide_cols: Tensor | None = None
     guide_rule: GuideRule = GuideRule()
+    own_group: int | None = None
 
     def mask(self, sim: Tensor, pos: Tensor, pos_sim: Tensor, lo: int, hi: int) -> Tensor | None:
         """The boolean ``(hi - lo, N)`` mask of excluded columns of rows ``lo:hi`` (whose
@@ -129,6 +133,10 @@ class Exclusions:
                 mask = torch.zeros(sim.shape, dtype=torch.bool, device=sim.device)
             pick = (self.pairs[:, 0] >= lo) & (self.pairs[:, 0] < hi)
             mask[self.pairs[pick, 0] - lo, self.pairs[pick, 1]] = True
+        if self.own_group is not None:
+            cols = torch.arange(sim.shape[1], device=sim.device)[None]
+            outside = (cols < pos[:, None]) | (cols >= pos[:, None] + self.own_group)
+            mask = outside if mask is None else mask.logical_or_(outside)
         if mask is not None:
             mask.scatter_(1, pos[:, None], False)
         return mask

@@ -26,10 +26,22 @@ __all__ = ["main", "build_parser"]
 _HELP = {
     "model": "required: transformers model path or name (e.g. the all-MiniLM-L6-v2 folder)",
     "train_data": "required: JSONL records (query, positive|chunk_path, negatives|neg_chunk_paths), a "
-                  "swift or st (JSONL or .parquet) file (detected), or a BEIR directory",
+                  "swift or st (JSONL or .parquet) file (detected), or a BEIR directory; "
+                  "several sources: repeat the flag or give a comma list (every batch is "
+                  "drawn from one source; in YAML a list whose entries may set name, weight, "
+                  "query_instruction/doc_instruction or prefixes, num_hard_negatives, "
+                  "in_batch_negatives, max_records: see docs/guides/multi-dataset.md)",
+    "mix_temperature": "several --train-data sources without weights: draw each step's "
+                       "source with probability proportional to size ** (1 / this); 1: by "
+                       "size, larger: closer to uniform (small sources up-sampled)",
+    "exclude_instruction_from_pooling": "leave the query/document prefix's tokens out of mean "
+                                        "pooling (GritLM, INSTRUCTOR): the model attends to "
+                                        "the instruction, the embedding averages the text",
     "train_split": "qrels split used as training pairs when --train-data is a BEIR directory",
-    "eval_data": "BEIR directory evaluated with full-corpus retrieval (default: none, no "
-                 "evaluation)",
+    "eval_data": "BEIR directory evaluated with full-corpus retrieval; several: repeat the "
+                 "flag or give a comma list (each reported as <name>/<metric>, their mean "
+                 "selects best/; each embedded with the prompts of the training source of "
+                 "the same name) (default: none, no evaluation)",
     "eval_split": "qrels split to evaluate on",
     "output_dir": "where checkpoints, best/, final/, metrics.jsonl and the plot go: a new or "
                   "empty folder (a folder holding another run or other files is refused: "
@@ -158,7 +170,10 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         help_ = _HELP.get(f.name, "")
         typ = str(f.type)
-        if typ == "bool":
+        if f.name in ("train_data", "eval_data"):  # repeatable, each a path or a comma list
+            p.add_argument(flag, action="extend", default=argparse.SUPPRESS, help=help_,
+                           type=lambda s: [v.strip() for v in s.split(",") if v.strip()])
+        elif typ == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help=f"{help_} (default {'on' if f.default else 'off'})".strip())
         elif "list[int]" in typ or "list[float]" in typ:
@@ -306,7 +321,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Matryoshka widths, e.g. 384,128: one row per width, each from the "
                     "embeddings' first dims coordinates normalised again (the corpus is "
                     "embedded once; default: the full embeddings only)")
+    ev.add_argument("--task", default=None, help="embed with the prompts a bigbatch model "
+                    "saved for this task (a training source's name; see "
+                    "docs/guides/multi-dataset.md) (default: the task named as the --data "
+                    "folder, when the model has one, else the model's own prompts)")
     _add_encoder_flags(ev)
+
+    mp = sub.add_parser("make-pairs", help="training pairs from a corpus alone: one field of "
+                        "each document as the query, another as the positive (title -> "
+                        "abstract)", formatter_class=_DefaultsFormatter)
+    mp.add_argument("corpus", help="a JSONL corpus (BEIR corpus.jsonl) or a BEIR directory")
+    mp.add_argument("output", help="the training file to write (.jsonl, .parquet)")
+    mp.add_argument("--query-field", default="title", help="the field that becomes the query")
+    mp.add_argument("--doc-field", default="text", help="the field that becomes the positive")
+    mp.add_argument("--id-field", default="_id", help="the field kept as the positive's id")
+    mp.add_argument("--max-pairs", type=int, default=None, help="write the first this many "
+                    "pairs (default: all)")
+    mp.add_argument("--to", dest="dst_format", choices=FORMATS, default="contrastors",
+                    help="the output's format")
 
     rp = sub.add_parser("render-pages", help="render a BEIR corpus to page images (a visual "
                         "document retrieval set: text queries, image documents)",
@@ -353,6 +385,21 @@ def _check_encoder_args(args: argparse.Namespace) -> str:
     if args.device is not None and (problem := device_problem(args.device)):
         raise ConfigError(f"--device: {problem} (got {args.device!r})")
     return _device(args.device)
+
+
+def _make_pairs(args: argparse.Namespace) -> int:
+    from .data.pairs import make_pairs
+    from .train.outdir import check_writable_file
+
+    _check_positive(args, ("max_pairs",))
+    check_writable_file(args.output, "make-pairs output", create_folders=False)
+    report = make_pairs(args.corpus, args.output, query_field=args.query_field,
+                        doc_field=args.doc_field, id_field=args.id_field,
+                        max_pairs=args.max_pairs, fmt=args.dst_format)
+    skipped = "".join(f"; skipped {n} ({why})" for why, n in sorted(report["skipped"].items()))
+    print(f"wrote {report['written']} pairs ({args.query_field} -> {args.doc_field}) to "
+          f"{args.output}{skipped}")
+    return 0
 
 
 def _render_pages(args: argparse.Namespace) -> int:
@@ -410,6 +457,8 @@ def _run(args: argparse.Namespace) -> int:
             return _mine(args)
         if args.command == "render-pages":
             return _render_pages(args)
+        if args.command == "make-pairs":
+            return _make_pairs(args)
         if args.command == "train":
             from .train import load_config, train
 
@@ -465,14 +514,21 @@ def _eval(args: argparse.Namespace) -> int:
     results = []
     for path in args.model:
         encoder = load_encoder(path, **_encoder_overrides(args)).to(device)
+        task = args.task if args.task is not None else Path(args.data).name
+        if args.task is not None and args.task not in encoder.tasks:
+            raise ConfigError(f"--task: {path} has no task {args.task!r} (it has: "
+                              f"{', '.join(sorted(encoder.tasks)) or 'none'})")
+        given = {s: _encoder_overrides(args)[a] for s, a in encoder.prompt_attrs.items()}
+        prompts = {s: v for s, v in encoder.task_prompts(task).items() if given[s] is None}
         common = dict(batch_size=args.batch_size, device=device, unseen_from=unseen_from,
                       cache_dir=_cache_dir(args))
-        if args.dims is None:
-            metrics = evaluate_beir(encoder, args.data, args.split, **common)
-            results.append({"model": str(path), "data": str(args.data), "split": args.split,
-                            "metrics": metrics})
-            continue
-        per_dim = evaluate_beir_dims(encoder, args.data, args.dims, args.split, **common)
+        with encoder.using_prompts(**prompts):  # a prefix given on the command line wins
+            if args.dims is None:
+                metrics = evaluate_beir(encoder, args.data, args.split, **common)
+                results.append({"model": str(path), "data": str(args.data),
+                                "split": args.split, "metrics": metrics})
+                continue
+            per_dim = evaluate_beir_dims(encoder, args.data, args.dims, args.split, **common)
         results.extend({"model": f"{path} @{dim}", "dim": dim, "data": str(args.data),
                         "split": args.split, "metrics": metrics}
                        for dim, metrics in per_dim.items())

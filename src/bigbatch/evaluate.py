@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["retrieval_metrics", "evaluate_retrieval", "evaluate_scores", "evaluate_beir",
-           "evaluate_beir_dims",
+           "evaluate_beir_dims", "evaluate_sets",
            "unseen_query_ids", "check_beir_split", "METRIC_NAMES", "LOWER_IS_BETTER"]
 
 METRIC_NAMES = ("ndcg@10", "recall@1", "recall@5", "recall@10", "mrr@10", "pos_sim", "neg_sim",
@@ -326,4 +326,39 @@ def _split_metrics(scores: Scorer, root: Path, split: str, qrels: dict, query_id
                                   [query_ids[i] for i in idx], doc_ids,
                                   {q: qrels[q] for q in unseen}, block=block)
             out.update({f"unseen/{k}": v for k, v in sub.items()})
+    return out
+
+
+def evaluate_sets(encoder: Any, sets: Sequence[Any], split: str = "test", batch_size: int = 64,
+                  device: torch.device | str | None = None, unseen_from: str | None = "train",
+                  cache_dir: str | Path | None = None,
+                  progress: bool = True) -> dict[str, float]:
+    """:func:`evaluate_beir` on each evaluation set (anything with ``path`` and ``name``,
+    such as :class:`~bigbatch.data.mix.SourceSpec`), each embedded with the prompts of the
+    encoder's task of the same name (``encoder.tasks``; else its own prompts).
+
+    One set: its metrics as they are. Several: each set's metrics prefixed by its name
+    (``scifact/ndcg@10``) and, unprefixed, the mean over the sets of every metric they all
+    report (what ``--best-metric`` selects ``best/`` by).
+
+    Example::
+
+        metrics = evaluate_sets(encoder, [SourceSpec("data/scifact", "scifact"),
+                                          SourceSpec("data/nfcorpus", "nfcorpus")])
+        metrics["ndcg@10"]  # the mean of the two
+    """
+    results = []
+    for s in sets:
+        with encoder.using_prompts(**encoder.task_prompts(s.name)):
+            results.append(evaluate_beir(encoder, s.path, split, batch_size=batch_size,
+                                         device=device, unseen_from=unseen_from,
+                                         cache_dir=cache_dir, progress=progress))
+    if len(results) == 1:
+        return results[0]
+    out: dict[str, float] = {}
+    common = set.intersection(*(set(r) for r in results))
+    for key in [k for k in results[0] if k in common]:
+        out[key] = sum(r[key] for r in results) / len(results)
+    for s, r in zip(sets, results):
+        out.update({f"{s.name}/{k}": v for k, v in r.items()})
     return out

@@ -257,6 +257,12 @@ class InfoNCE(TemperatureLoss):
             Streamed, and across ranks, like the rest (the row is ``[q_i, d_{p(i)}]``
             against ``[d_j, 0]``, ``[q_j, 0]`` and ``[0, d_j]``). The symmetric direction
             is unchanged. The metrics then count these columns among the negatives.
+        in_batch_negatives: score each query against every document of the (global) batch
+            (the default); False: against its own positive and hard negatives only, for
+            classification-style data whose labels repeat across a batch (with
+            ``symmetric``, the document-to-query direction then has each positive's own
+            query alone, and adds nothing). An attribute a training loop may change between
+            steps (a source of a mix at a time). Not with ``extra_negatives``.
         guide_margin, guide_margin_type: with ``guide_query`` and ``guide_doc`` given, a
             negative whose guide similarity to the query exceeds the positive's minus
             ``guide_margin`` (``"absolute"``) or times ``1 - guide_margin`` (``"relative"``)
@@ -304,12 +310,14 @@ class InfoNCE(TemperatureLoss):
                  false_negative_margin: float | None = None,
                  block_size: int | None = None, dense: bool = False,
                  max_block_logits: int = MAX_BLOCK_LOGITS,
-                 extra_negatives: str | Sequence[str] | None = (), *, guide_margin: float = 0.0,
+                 extra_negatives: str | Sequence[str] | None = (),
+                 in_batch_negatives: bool = True, *, guide_margin: float = 0.0,
                  guide_margin_type: str = "absolute", distill: str | None = None,
                  distill_weight: float = 1.0, teacher_temperature: float | None = None) -> None:
         check_blocking(block_size, dense, max_block_logits)
         super().__init__(temperature, learnable_temperature, max_scale, false_negative_margin)
         self.symmetric = symmetric
+        self.in_batch_negatives = in_batch_negatives
         self.block_size = block_size
         self.dense = dense
         self.max_block_logits = max_block_logits
@@ -330,7 +338,8 @@ class InfoNCE(TemperatureLoss):
         g_rows, g_cols = guides if guides is not None else (None, None)
         exclude = Exclusions(col_ids=col_ids, row_ids=row_ids, margin=self.false_negative_margin,
                              pairs=pairs, margin_cols=margin_cols,
-                             guide_rows=g_rows, guide_cols=g_cols, guide_rule=self.guide_rule)
+                             guide_rows=g_rows, guide_cols=g_cols, guide_rule=self.guide_rule,
+                             own_group=None if self.in_batch_negatives else group)
         return cross_entropy_sum(rows, cols, pos, scale, block=block, group=group,
                                  exclude=exclude, with_stats=with_stats)
 

@@ -34,6 +34,7 @@ class Batch:
     epoch: int
     index: int
     teacher_scores: list[list[float]] | None = None
+    source: str = ""  # the training source's name (a mix: bigbatch.data.mix)
 
 
 class EpochBatches:

@@ -67,6 +67,8 @@ def build_encoder(config: TrainConfig, records: list, lora_r: int) -> Any:
             raise ConfigError(f"{image.source}:{image.line}: the training data has image "
                               f"documents, but --model {config.model} is a text model; use a "
                               f"Qwen2-VL / Qwen2.5-VL / Qwen3-VL model")
+        extra = {"exclude_prompt_from_pooling": True} \
+            if config.exclude_instruction_from_pooling else {}
         common = dict(max_length=config.max_length, query_prefix=config.query_prefix,
                       doc_prefix=config.doc_prefix, lora_r=lora_r, lora_alpha=config.lora_alpha,
                       lora_dropout=config.lora_dropout,
@@ -75,12 +77,16 @@ def build_encoder(config: TrainConfig, records: list, lora_r: int) -> Any:
         if config.pooling == "multivector":
             enc = _multivector_encoder(config, common)
         else:
-            enc = TextEncoder(config.model, pooling=config.pooling, **common)
+            enc = TextEncoder(config.model, pooling=config.pooling, **common, **extra)
         _check_max_length(config, enc.model.config)
         return enc
     if config.pooling == "multivector":
         raise ConfigError(f"--pooling multivector is for text models; {config.model} is a "
                           f"vision-language model")
+    if config.exclude_instruction_from_pooling:
+        raise ConfigError(f"--exclude-instruction-from-pooling: {config.model} is a "
+                          f"vision-language model, pooled by its last token (never an "
+                          f"instruction token); leave the option out")
     from ..encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
 
     return VisionLanguageEncoder(

@@ -133,7 +133,11 @@ def render_model_card(model_dir: str | Path, config: Any, state: dict[str, Any],
     dim = pooling_cfg.get("word_embedding_dimension")
     max_len = st_cfg.get("max_seq_length", config.max_length)
     pooling = meta.get("pooling", config.pooling)
-    data_name = Path(str(config.train_data)).name or str(config.train_data)
+    sources = config.train_sources()  # one or several (a mix: each its name and path)
+    data_name = ", ".join(s.name for s in sources)
+    data_paths = ", ".join(f"`{s.path}`" for s in sources)
+    counts = state.get("num_records", 0)
+    num_records = sum(counts) if isinstance(counts, list) else counts  # a mix: per source
     multivector = config.pooling == "multivector"
     loss_name = ("MaxSimInfoNCE" if multivector else
                  "CorpusInfoNCE" if config.doc_negatives == "corpus" else "InfoNCE")
@@ -146,7 +150,7 @@ def render_model_card(model_dir: str | Path, config: Any, state: dict[str, Any],
 
     tags = ["sentence-transformers", "sentence-similarity", "feature-extraction",
             "bigbatch", "gradcache", "generated_from_trainer",
-            f"dataset_size:{state.get('num_records', 0)}", f"loss:{loss_name}"]
+            f"dataset_size:{num_records}", f"loss:{loss_name}"]
     if adapter:
         tags.append("peft")
     front = ["---", "tags:", *[f"- {t}" for t in tags]]
@@ -179,14 +183,14 @@ def render_model_card(model_dir: str | Path, config: Any, state: dict[str, Any],
         lines.append(f"- **Output Dimensionality:** {dim} dimensions")
     lines += [f"- **Pooling:** {pooling}",
               "- **Similarity Function:** Cosine Similarity",
-              f"- **Training Dataset:** `{data_name}` ({state.get('num_records', 0):,} records)"]
+              f"- **Training Dataset:** `{data_name}` ({num_records:,} records)"]
     if config.query_prefix or config.doc_prefix:
         lines.append(f"- **Prompts:** query `{config.query_prefix!r}`, document "
                      f"`{config.doc_prefix!r}`")
     lines += ["", *_usage(load_from, adapter, base, pooling, config)]
     if evals:
         columns = _metric_columns(evals, config)
-        eval_name = Path(str(config.eval_data)).name if config.eval_data else ""
+        eval_name = ", ".join(e.name for e in config.eval_sets())
         lines += ["", "## Evaluation", "", "### Metrics", "",
                   "#### Information Retrieval", "",
                   f"* Dataset: `{eval_name}` (split `{config.eval_split}`), full-corpus "
@@ -195,8 +199,8 @@ def render_model_card(model_dir: str | Path, config: Any, state: dict[str, Any],
                   "", "* The bold row denotes the saved model; step 0 is the base model."]
     lines += ["", "## Training Details", "", "### Training Dataset", "",
               f"#### {data_name}", "",
-              f"* Dataset: `{config.train_data}`",
-              f"* Size: {state.get('num_records', 0):,} training samples",
+              f"* Dataset: {data_paths}",
+              f"* Size: {num_records:,} training samples",
               "* Columns: query, positive" + (f", and {config.num_hard_negatives} hard "
                                               f"negative(s)" if config.num_hard_negatives else ""),
               f"* Loss: <code>bigbatch.{loss_name}</code> with these parameters:",

@@ -35,9 +35,12 @@ class TrainConfig:
     training pipeline (``train_contrastors.py``)."""
 
     model: str = ""
-    train_data: str = ""
+    # one source (a path), or several: a comma list, or (YAML) a list of paths and mappings
+    # (bigbatch.data.mix.SOURCE_KEYS); likewise --eval-data (path and name)
+    train_data: str | list = ""
     train_split: str = "train"
-    eval_data: str | None = None
+    eval_data: str | list | None = None
+    mix_temperature: float = 1.0
     eval_split: str = "test"
     output_dir: str = "runs/bigbatch"
     batch_size: int = 4
@@ -71,6 +74,7 @@ class TrainConfig:
     query_max_length: int | None = None
     query_prefix: str = ""
     doc_prefix: str = ""
+    exclude_instruction_from_pooling: bool = False
     gradient_checkpointing: bool = False
     encoder: str = "auto"
     query_instruction: str | None = None
@@ -124,6 +128,7 @@ class TrainConfig:
             raise ConfigError("--train-data is required: a training file (JSONL in the "
                               "contrastors, swift or st layout, or st Parquet) or a BEIR "
                               "directory")
+        self._validate_sources()
         for name in ("batch_size", "grad_cache_chunk", "max_length", "eval_batch_size",
                      "log_steps"):
             if getattr(self, name) <= 0:
@@ -272,6 +277,34 @@ class TrainConfig:
                                 "checkpoints hold the weights, not DeepSpeed's optimizer "
                                 "partitions); start from a checkpoint's weights with --model")
 
+    def train_sources(self) -> list[Any]:
+        """The training sources ``--train-data`` names (:class:`~bigbatch.data.mix.SourceSpec`)."""
+        from ..data.mix import parse_sources
+
+        return parse_sources(self.train_data, "--train-data")
+
+    def eval_sets(self) -> list[Any]:
+        """The evaluation sets ``--eval-data`` names (each a path and a name)."""
+        from ..data.mix import EVAL_KEYS, parse_sources
+
+        return parse_sources(self.eval_data, "--eval-data", EVAL_KEYS)
+
+    def _validate_sources(self) -> None:
+        """The options of several training sources and evaluation sets."""
+        sources = self.train_sources()
+        self.eval_sets()
+        if not self.mix_temperature > 0:
+            raise ConfigError(f"--mix-temperature: must be > 0 (got {self.mix_temperature!r})")
+        if len(sources) > 1 and self.doc_negatives == "corpus":
+            raise ConfigError("--doc-negatives corpus trains against one corpus; give one "
+                              "--train-data source")
+        if self.exclude_instruction_from_pooling and self.pooling != "mean":
+            raise ConfigError(f"--exclude-instruction-from-pooling: applies to --pooling mean "
+                              f"(got {self.pooling!r}: the embedding is one token's)")
+        if self.doc_negatives == "corpus" and any(s.num_hard_negatives for s in sources):
+            raise ConfigError("--doc-negatives corpus already uses every document as a "
+                              "negative; set num_hard_negatives to 0")
+
     def _validate_multivector(self, bad: Any) -> None:
         """The options of ``--pooling multivector`` (late interaction, text models)."""
         if self.multivector_dim <= 0:
@@ -370,6 +403,11 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: {name} must not be empty")
     if "list[int]" in typ or "list[float]" in typ:
         return number_list(value, int if "list[int]" in typ else float, f"{source}: {name}")
+    if name in _SOURCE_OPTIONS:  # a path, a comma list, or a list of paths and mappings
+        if isinstance(value, (str, list)):
+            return value
+        raise ConfigError(f"{source}: {name} must be a path or a list of sources, got "
+                          f"{value!r}")
     if "list" in typ:
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
@@ -463,12 +501,15 @@ def _key_lines(text: str, source: str) -> dict[Any, int]:
 
 _PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume", "data_root",
               "guide_model", "deepspeed")
+_SOURCE_OPTIONS = ("train_data", "eval_data")
 
 
 def _resolve_path(key: str, value: Any, base: Path) -> Any:
     """A path option made absolute: ``~`` is the home folder, a relative path is read from
     ``base`` (the YAML file's folder, or the working directory for a flag). A ``model`` that
     is no folder there stays as given: a hub name (``namespace/name``)."""
+    if key in _SOURCE_OPTIONS:
+        return _resolve_sources(value, base)
     if not isinstance(value, str) or not value:
         return value
     path = Path(value).expanduser()
@@ -477,6 +518,27 @@ def _resolve_path(key: str, value: Any, base: Path) -> Any:
             return value  # a hub name, a missing folder check_model_source names, "self"
         path = base.absolute() / path
     return os.path.normpath(path)
+
+
+def _resolve_sources(value: Any, base: Path) -> Any:
+    """``--train-data`` / ``--eval-data`` with every path made absolute: one path stays a
+    string; a comma list or a list becomes a list (a one-path list a string), each mapping's
+    ``path`` resolved."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()] if "," in value else value
+    if isinstance(value, str):
+        return _resolve_path("data", value, base) if value else value
+    if not isinstance(value, list):
+        return value
+    out = []
+    for entry in value:
+        if isinstance(entry, str):
+            out.append(_resolve_path("data", entry, base))
+        elif isinstance(entry, dict) and isinstance(entry.get("path"), str):
+            out.append({**entry, "path": _resolve_path("data", entry["path"], base)})
+        else:
+            out.append(entry)  # parse_sources names what is wrong with it
+    return out[0] if len(out) == 1 and isinstance(out[0], str) else out
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:

@@ -21,9 +21,12 @@ EVAL_SHOWN = ("ndcg@10", "recall@1", "recall@10", "mrr@10", "unseen/ndcg@10")
 
 
 def eval_columns(metrics: dict[str, float], best_metric: str) -> list[str]:
-    """The columns of the evaluation rows: :data:`EVAL_SHOWN` that ``metrics`` has, and
+    """The columns of the evaluation rows: :data:`EVAL_SHOWN` that ``metrics`` has (with
+    several evaluation sets, their means), each set's ``<name>/ndcg@10``, and
     ``best_metric`` (the one that selects ``best/``) when it is not among them."""
     columns = [k for k in EVAL_SHOWN if k in metrics]
+    columns += [k for k in metrics if k.endswith("/ndcg@10") and k.count("/") == 1
+                and k not in columns]
     if best_metric in metrics and best_metric not in columns:
         columns.append(best_metric)
     return columns

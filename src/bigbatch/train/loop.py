@@ -15,7 +15,6 @@ a run that fails before its first step removes the output folder it created.
 from __future__ import annotations
 
 import math
-import os
 import random
 import time
 from collections.abc import Callable
@@ -42,8 +41,12 @@ from .ranks import barrier, from_main, gather_rng_states
 from .resume import check_resume_matches, check_resumed_data, check_resumed_step, resume_path
 from .runid import new_run_id, run_id_of
 from .schedule import make_scheduler
+from .sources import ChainedRecords, data_identity, load_sources, mix_state
 
 __all__ = ["train", "Trainer", "StepCallback", "RunInterrupted", "base_beats_best"]
+
+# the step values logged again under <value>/<source name> in a mix (one curve per source)
+_PER_SOURCE = ("loss", "accuracy", "margin", "pos_sim", "neg_sim", "hard_neg_sim")
 
 # called after each step's logging, evaluation and checkpoint with the step and (a copy of)
 # the training state; True ends the run there, as a kill would
@@ -102,7 +105,7 @@ def train(config: TrainConfig, on_step_end: StepCallback | None = None) -> dict[
         if (done := trainer.resume()) is not None:
             return done
         trainer.start()
-        for batch in trainer.batches.iterate(trainer.state["epoch"], trainer.state["index"]):
+        for batch in trainer.iterate():
             if trainer.state["step"] >= trainer.max_steps:
                 break
             trainer.step(batch)
@@ -128,7 +131,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ build
     def __init__(self, config: TrainConfig) -> None:
-        from ..data import EpochBatches, load_records
         from ..evaluate import LOWER_IS_BETTER, check_beir_split
 
         config.validate()
@@ -150,13 +152,19 @@ class Trainer:
         self.run_id: str = from_main(self._run_id(resume_run), info)
         self.steps_done = 0  # optimizer steps done by this process
         barrier(info)
-        self.records = load_records(config.train_data, config.train_split,
-                                    config.num_hard_negatives, config.data_root)
+        # every source loaded and checked (a bad record names its source) before step 1
+        self.batches = load_sources(config, info.rank, info.world_size)
+        self.sources = self.batches.sources
+        self.source_by_name = {s.name: s for s in self.sources}
+        self.records = self.sources[0].records if len(self.sources) == 1 else \
+            ChainedRecords([s.records for s in self.sources])
         if config.distill:  # every record needs its teacher scores, before any model loads
             from ..data.records import check_teacher_scores
-            check_teacher_scores(self.records)
-        if config.eval_data:  # a bad evaluation set stops the run now, not after training
-            check_beir_split(config.eval_data, config.eval_split, config.best_metric)
+            for src in self.sources:
+                check_teacher_scores(src.records)
+        self.eval_sets = config.eval_sets()
+        for eval_set in self.eval_sets:  # a bad evaluation set stops the run now, not after
+            check_beir_split(eval_set.path, config.eval_split, config.best_metric)
         if config.grad_cache_chunk > config.batch_size:
             config.grad_cache_chunk = config.batch_size
         self.lower_is_better = config.best_metric.removeprefix("unseen/") in LOWER_IS_BETTER
@@ -168,21 +176,19 @@ class Trainer:
         self.corpus = FixedCorpus(config, self.records, self.encoder, device, info) \
             if config.doc_negatives == "corpus" else None
         self.loss_fn = build_loss(config, self.corpus, device)
+        no_in_batch = [s.name for s in self.sources if not s.spec.in_batch_negatives]
+        if no_in_batch and not hasattr(self.loss_fn, "in_batch_negatives"):
+            raise ConfigError(f"--train-data source(s) {no_in_batch}: in_batch_negatives false "
+                              f"needs the InfoNCE loss (not {type(self.loss_fn).__name__})")
         self.model_params = self.encoder.trainable_parameters()
         # --deepspeed: DeepSpeed steps the model; this optimizer keeps the temperature alone
         self.optimizer = build_optimizer(config, [] if config.deepspeed else self.model_params,
                                          self.loss_fn)
         # clipped together each step
         self.all_params = self.model_params + list(self.loss_fn.parameters())
-        self.batches = EpochBatches(self.records, config.batch_size, config.num_hard_negatives,
-                                    config.seed, info.rank, info.world_size,
-                                    scores=config.distill is not None)
         self.guide = None
         if config.guide_model:
             self.guide = Guide(config, self.records, device, config.eval_batch_size)
-        if len(self.batches) == 0:
-            raise ConfigError(f"{len(self.records)} training records are fewer than one global "
-                              f"batch ({self.batches.global_batch} = --batch-size x processes)")
         self.max_steps = config.max_steps
         if config.epochs:
             self.max_steps = math.ceil(config.epochs * len(self.batches))
@@ -195,15 +201,23 @@ class Trainer:
         self.cache, self.chunk, self.q_chunk = build_cache(config, self.encoder, self.loss_fn,
                                                            self.corpus, self.scaler, device,
                                                            self.engine)
+        train_data, num_records = data_identity(self.batches)
         self.state: dict[str, Any] = {
             "step": 0, "epoch": 0, "index": 0, "best": None, "best_step": None, "examples": 0,
-            "base_metrics": None, "num_records": len(self.records),
-            "train_data": os.path.realpath(config.train_data), "run_id": self.run_id}
+            "base_metrics": None, "num_records": num_records, "train_data": train_data,
+            "run_id": self.run_id, "sources": self.batches.start_positions(),
+            "mix": mix_state(self.batches)}
         self.logger: RunLogger | None = None
         self.bar: Any = None
         self.columns: list[str] | None = None  # of the evaluation rows printed
         self.last_metrics: dict[str, float] | None = None
         self.last_eval_step = -1
+
+    def iterate(self) -> Any:
+        """The batches from the run's position on (each source's own, and the step that
+        decides which source comes next), forever; each carries its source's name."""
+        for _, batch in self.batches.iterate(self.state["step"], self.state["sources"]):
+            yield batch
 
     def _run_id(self, resume_run: str | None) -> str:
         """A resumed run keeps its id (for a checkpoint from before run ids, the id of the
@@ -221,7 +235,17 @@ class Trainer:
 
         encoder = build_encoder(self.config, self.records, self.lora_r).to(self.device)
         check_matryoshka_width(self.config, encoder)  # and the saved models record the dims
-        check_instructions(self.records, encoder)  # the data's system prompts (swift) apply
+        for src in self.sources:  # each source's prompts, saved with the model as its task
+            src.prompts = src.spec.prompts(encoder.encoder_type)
+            if len(self.sources) == 1:  # one source: its prompts are the model's own
+                for side, value in src.prompts.items():
+                    if value is not None:
+                        setattr(encoder, encoder.prompt_attrs[side], value)
+                src.prompts = {}
+            with encoder.using_prompts(**src.prompts):
+                check_instructions(src.records, encoder)  # the data's system prompts apply
+                if len(self.sources) > 1:
+                    encoder.tasks[src.name] = encoder.prompts()
         encoder.train()
         if self.config.mode == "query-side-tune":
             encoder.use_base_doc_tower()  # documents: the frozen initial weights
@@ -246,10 +270,14 @@ class Trainer:
         self.state = load_checkpoint(ckpt, encoder=self.encoder, loss_fn=self.loss_fn,
                                      optimizer=self.optimizer, scheduler=self.scheduler,
                                      scaler=self.scaler, rank=info.rank)
-        check_resumed_data(ckpt, config, len(self.records), self.state)
+        train_data, num_records = data_identity(self.batches)
+        check_resumed_data(ckpt, train_data, num_records, self.state, mix_state(self.batches))
         check_resumed_step(ckpt, self.state["step"], self.max_steps)
-        self.state["num_records"] = len(self.records)
-        self.state["train_data"] = os.path.realpath(config.train_data)
+        self.state["num_records"], self.state["train_data"] = num_records, train_data
+        if "sources" not in self.state:  # a checkpoint from before mixes: one source
+            self.state["sources"] = {self.sources[0].name: [self.state["epoch"],
+                                                            self.state["index"]]}
+        self.state["mix"] = mix_state(self.batches)
         self.state["run_id"] = self.run_id
         self._claim()
         if info.is_main:  # later checkpoints of the timeline left behind would outrank ours
@@ -282,7 +310,7 @@ class Trainer:
         # (under DeepSpeed the probe's backward would go through the engine: not estimated)
         self.step_memory = None if self.engine is not None else estimate_run_step(
             self.cache, self.encoder, self.records, config, self.device, info.world_size,
-            self.model_params)
+            self.model_params, k=max(s.batches.k for s in self.sources))
         if self.step_memory is not None:  # stop now, with the numbers, rather than at step 1
             check_fits(self.step_memory, free_memory(self.device), self.device)
         if info.is_main:
@@ -299,11 +327,15 @@ class Trainer:
         config, lora_r = self.config, self.lora_r
         n_train = sum(p.numel() for p in self.model_params)
         chunk, q_chunk = self.chunk, self.q_chunk
-        text = (f"bigbatch train: {len(self.records)} records, {len(self.batches)} steps/epoch, "
+        mix = "" if len(self.sources) == 1 else " (" + ", ".join(
+            f"{s.name}: {len(s.records)} x {w:.0%}" for s, w in zip(self.sources,
+                                                                    self.batches.weights)) + ")"
+        text = (f"bigbatch train: {len(self.records)} records{mix}, {len(self.batches)} "
+                f"steps/epoch, "
                 f"{self.max_steps} steps, global batch {self.batches.global_batch} "
                 f"({self.info.world_size} process(es) x {config.batch_size}), chunk "
                 f"{chunk}{f' (queries {q_chunk})' if q_chunk != chunk else ''}, "
-                f"k={config.num_hard_negatives}, "
+                f"k={'/'.join(str(s.batches.k) for s in self.sources)}, "
                 f"{'LoRA r=' + str(lora_r) if lora_r else 'full fine-tuning'} "
                 f"({n_train:,} trainable parameters), {self.encoder.encoder_type} encoder, "
                 f"device {self.device}")
@@ -319,14 +351,14 @@ class Trainer:
     def evaluate(self, step: int) -> dict[str, float] | None:
         """The main rank's retrieval metrics on ``--eval-data`` (logged and shown), the same
         on every rank; None without evaluation data."""
-        from ..evaluate import evaluate_beir
+        from ..evaluate import evaluate_sets
 
         config = self.config
-        if not config.eval_data:
+        if not self.eval_sets:
             return None
         metrics = None
         if self.info.is_main:
-            metrics = evaluate_beir(self.encoder, config.eval_data, config.eval_split,
+            metrics = evaluate_sets(self.encoder, self.eval_sets, config.eval_split,
                                     batch_size=config.eval_batch_size, device=self.device)
             self.logger.log(step, metrics, kind="eval")
             if self.columns is None:  # a header over the first row; each evaluation a row
@@ -408,24 +440,30 @@ class Trainer:
         schedule stepped; advances the state. Returns the values to log."""
         config, encoder, optimizer, scaler = self.config, self.encoder, self.optimizer, \
             self.scaler
-        q = encoder.step_inputs(batch.queries, "query", max_length=config.query_max_length)
+        source = self.source_by_name[batch.source]
+        if hasattr(self.loss_fn, "in_batch_negatives"):
+            self.loss_fn.in_batch_negatives = source.spec.in_batch_negatives
         t0 = time.time()
         optimizer.zero_grad(set_to_none=True)
         step = self.cache.step
         if self.engine is not None:  # the replays' gradients reduced once, by DeepSpeed
             from ..integrations.deepspeed import deepspeed_step
             step = lambda **inputs: deepspeed_step(self.engine, self.cache, **inputs)  # noqa: E731
-        if self.corpus is not None:
-            result = step(query=q, **self.corpus.targets(batch, self.device))
-        else:
-            d = encoder.step_inputs(batch.docs, "doc")
-            extra: dict[str, Any] = {}
-            if self.guide is not None:  # embedded once, never replayed nor trained
-                extra.update(self.guide.embed(batch.queries, batch.docs))
-            if batch.teacher_scores is not None:
-                extra["teacher_scores"] = torch.tensor(batch.teacher_scores, dtype=torch.float64,
-                                                       device=self.device)
-            result = step(query=q, doc=d, doc_ids=batch.doc_ids, **extra)
+        # the source's prompts while its inputs are tokenized, or collated and replayed
+        with encoder.using_prompts(**source.prompts):
+            q = encoder.step_inputs(batch.queries, "query", max_length=config.query_max_length)
+            if self.corpus is not None:
+                result = step(query=q, **self.corpus.targets(batch, self.device))
+            else:
+                d = encoder.step_inputs(batch.docs, "doc")
+                extra: dict[str, Any] = {}
+                if self.guide is not None:  # embedded once, never replayed nor trained
+                    extra.update(self.guide.embed(batch.queries, batch.docs))
+                if batch.teacher_scores is not None:
+                    extra["teacher_scores"] = torch.tensor(batch.teacher_scores,
+                                                           dtype=torch.float64,
+                                                           device=self.device)
+                result = step(query=q, doc=d, doc_ids=batch.doc_ids, **extra)
         if scaler is not None:
             scaler.unscale_(optimizer)
         if self.engine is not None:  # DeepSpeed clips, steps AdamW and the model's schedule
@@ -450,12 +488,20 @@ class Trainer:
         self.loss_fn.clamp_()
         n = self.batches.global_batch
         self.state["step"] += 1
-        self.state["epoch"], self.state["index"] = batch.epoch, batch.index + 1
+        self.state["sources"][source.name] = [batch.epoch, batch.index + 1]
+        if len(self.sources) == 1:  # as checkpoints before mixes kept it
+            self.state["epoch"], self.state["index"] = batch.epoch, batch.index + 1
         self.state["examples"] += n
         values = result.to_dict()
-        values.update(lr=lr, grad_norm=float(grad_norm),
-                      epoch=batch.epoch + (batch.index + 1) / len(self.batches),
+        epoch = batch.epoch + (batch.index + 1) / len(source.batches) \
+            if len(self.sources) == 1 else self.state["step"] / len(self.batches)
+        values.update(lr=lr, grad_norm=float(grad_norm), epoch=epoch,
                       examples_per_s=n / max(time.time() - t0, 1e-9))
+        if len(self.sources) > 1:  # each source's curves: loss/<name>, accuracy/<name>, ...
+            values["source"] = source.name
+            for key in _PER_SOURCE:
+                if key in values:
+                    values[f"{key}/{source.name}"] = values[key]
         return values
 
     def _push(self) -> dict[str, Any]:
