@@ -124,8 +124,8 @@ def gradcache_loss(cache: GradCache, *, params: Iterable[nn.Parameter] | None = 
 
     Raises:
         ConfigError: a tower wrapped by DeepSpeed (:func:`check_wrappers`).
-        what :meth:`bigbatch.GradCache.step` raises; the gradients of earlier micro-batches
-        are then put back as they were.
+        BigBatchError: what :meth:`bigbatch.GradCache.step` raises; the gradients of
+            earlier micro-batches are then put back as they were.
     """
     check_wrappers(cache)
     plist = trainable_params(cache, params)
