@@ -34,7 +34,7 @@ from .errors import ConfigError, ShapeError
 if TYPE_CHECKING:
     from .distributed import Gathered
 
-__all__ = ["LogitScale", "TemperatureLoss", "InfoNCE", "CorpusInfoNCE", "LossOutput",
+__all__ = ["LogitScale", "initial_log_scale", "TemperatureLoss", "InfoNCE", "CorpusInfoNCE", "LossOutput",
            "PartialLoss", "hard_negative_count"]
 
 class PartialLoss(NamedTuple):
@@ -52,6 +52,29 @@ class LossOutput(NamedTuple):
 
     loss: Tensor
     metrics: dict[str, Tensor]
+
+
+def initial_log_scale(temperature: float, max_scale: float = 100.0,
+                      learnable: bool = True) -> float:
+    """``ln(1 / temperature)``, the starting ``log_scale`` of a :class:`LogitScale` (and of
+    :class:`bigbatch.jax.InfoNCE`'s temperature), after checking the temperature.
+
+    Raises:
+        ConfigError: temperature <= 0, max_scale < 1, or a learnable temperature outside
+            ``[1/max_scale, 1]`` (the clamp would move it after the first step).
+    """
+    if not temperature > 0:
+        raise ConfigError(f"temperature must be > 0, got {temperature!r}")
+    if not max_scale >= 1:
+        raise ConfigError(f"max_scale must be >= 1, got {max_scale!r}")
+    log_scale = math.log(1.0 / temperature)
+    if learnable and not -1e-12 <= log_scale <= math.log(max_scale) + 1e-12:
+        raise ConfigError(
+            f"a learnable temperature must lie in [1/max_scale, 1] = [{1 / max_scale:g}, 1] "
+            f"(clamp_() keeps it there), got {temperature!r}; "
+            + (f"raise max_scale to at least {1 / temperature:g}" if temperature < 1 else
+               "give a temperature of at most 1") + " or make the temperature fixed")
+    return log_scale
 
 
 class LogitScale(nn.Module):
@@ -76,18 +99,8 @@ class LogitScale(nn.Module):
     def __init__(self, temperature: float = 0.07, max_scale: float = 100.0,
                  learnable: bool = True) -> None:
         super().__init__()
-        if not temperature > 0:
-            raise ConfigError(f"temperature must be > 0, got {temperature!r}")
-        if not max_scale >= 1:
-            raise ConfigError(f"max_scale must be >= 1, got {max_scale!r}")
+        log_scale = initial_log_scale(temperature, max_scale, learnable)
         self.max_scale = float(max_scale)
-        log_scale = math.log(1.0 / temperature)
-        if learnable and not -1e-12 <= log_scale <= math.log(self.max_scale) + 1e-12:
-            raise ConfigError(
-                f"a learnable temperature must lie in [1/max_scale, 1] = [{1 / self.max_scale:g}, 1] "
-                f"(clamp_() keeps it there), got {temperature!r}; "
-                + (f"raise max_scale to at least {1 / temperature:g}" if temperature < 1 else
-                   "give a temperature of at most 1") + " or make the temperature fixed")
         init = torch.tensor(log_scale, dtype=torch.float32)
         if learnable:
             self.log_scale = nn.Parameter(init)
