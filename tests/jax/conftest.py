@@ -5,6 +5,10 @@ import sys
 
 import pytest
 
+# the tests' programs are small: compile them fast (on 2 shared cores compiling dominates)
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                    "--xla_backend_optimization_level=0",
+                                    "--xla_llvm_disable_expensive_passes=true"]).strip()
 pytest.importorskip("jax")
 import jax  # noqa: E402
 

@@ -45,7 +45,7 @@ def reference(loss, params, data, rng, chunk_size, **loss_inputs):
     """(loss, metrics, grads) of jax.value_and_grad on the unchunked graph."""
     def value(p):
         return loss(p, embed_batch(EMBED, p, data, rng, chunk_size), **loss_inputs)
-    (val, metrics), grads = jax.value_and_grad(value, has_aux=True)(params)
+    (val, metrics), grads = jax.jit(jax.value_and_grad(value, has_aux=True))(params)
     return val, metrics, grads
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..errors import ConfigError, ShapeError
 from .rows import check_chunk_size, chunk_count, row_count
@@ -121,6 +121,8 @@ def sharded_value_and_grad(embed_fn: EmbedFn | Mapping[str, EmbedFn], loss_fn: L
              **loss_inputs: Any) -> tuple:
         tower_functions(embed_fn, batch)
         _check_rows(batch, loss_inputs, devices, axis_name)
-        return jitted(params, dict(batch), rng, loss_inputs)
+        split, whole = NamedSharding(mesh, rows), NamedSharding(mesh, PartitionSpec())
+        return jitted(jax.device_put(params, whole), jax.device_put(dict(batch), split),
+                      jax.device_put(rng, whole), jax.device_put(dict(loss_inputs), split))
 
     return step
