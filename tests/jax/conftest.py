@@ -13,4 +13,4 @@ pytest.importorskip("jax")
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]
