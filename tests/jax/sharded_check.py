@@ -1,4 +1,4 @@
-"""Run by test_sharded.py in a fresh process (XLA_FLAGS must be set before jax starts):
+"""Run by test_jax_sharded.py in a fresh process (XLA_FLAGS must be set before jax starts):
 the sharded step on N host devices against the one-device cached step and the unchunked
 reference, float64, dropout on. Prints the largest relative error; exits 1 on a failure."""
 

@@ -30,3 +30,17 @@ def test_sharded_step_equals_one_device(devices):
     ERRORS.append(err)
     assert err < 1e-10
     assert "do not split over the" in out.stdout
+
+
+def test_an_axis_the_mesh_does_not_have_is_refused():
+    import jax
+
+    from bigbatch.errors import ConfigError
+    from bigbatch.jax import InfoNCE, sharded_value_and_grad
+    from toy import EMBED
+
+    mesh = jax.make_mesh((1,), ("batch",))
+    with pytest.raises(ConfigError, match="not an axis of the mesh"):
+        sharded_value_and_grad(EMBED, InfoNCE(), 2, mesh, axis_name="x")
+    with pytest.raises(ConfigError, match="chunk_size"):
+        sharded_value_and_grad(EMBED, InfoNCE(), 0, mesh)
