@@ -42,15 +42,17 @@ def main() -> int:
     def generic(params, reps, doc_ids):  # no sharded_part: computed whole on every device
         return info(params, reps, doc_ids=doc_ids)
 
-    for loss in (info, generic):
-        params = {"model": init(), **info.init_params(jnp.float64)}
+    params = {"model": init(), **info.init_params(jnp.float64)}
+    ref = reference(info, params, data, rng, chunk, doc_ids=ids)
+    one = jax.jit(cached_value_and_grad(EMBED, info, chunk))(params, data, rng, doc_ids=ids)
+    for loss, others in ((info, (one, ref)), (generic, (ref,))):
         step = sharded_value_and_grad(EMBED, loss, chunk, mesh)
         value, metrics, grads = step(params, data, rng, doc_ids=ids)
-        one = jax.jit(cached_value_and_grad(EMBED, loss, chunk))(params, data, rng, doc_ids=ids)
-        ref = reference(info, params, data, rng, chunk, doc_ids=ids)
-        for other in (one, ref):
-            worst = max(worst, abs(float(value) - float(other[0])) / abs(float(other[0])),
-                        rel(grads, other[2]), rel(metrics, other[1]))
+        for other in others:
+            errors = {"loss": abs(float(value) - float(other[0])) / abs(float(other[0])),
+                      "gradients": rel(grads, other[2]), "metrics": rel(metrics, other[1])}
+            print({k: f"{v:.1e}" for k, v in errors.items()})
+            worst = max(worst, *errors.values())
         assert float(metrics["masked"]) > 0
     print(f"devices {DEVICES}: largest relative error {worst:.3e}")
     try:
