@@ -114,15 +114,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         updates, state = optimizer.update(grads, state, params)
         return loss.clamp(optax.apply_updates(params, updates)), state, value, metrics
 
-    def tokens(texts: list[str]) -> dict[str, Any]:  # fixed width: one compiled program
+    # one width per tower, the longest of its training texts: one compiled program, and
+    # short queries are not padded to the documents' length
+    widths = {side: encoder.tokenize(texts, args.max_length)["input_ids"].shape[1]
+              for side, texts in (("query", [r.query for r in records]),
+                                  ("doc", [r.positive for r in records]))}
+
+    def tokens(texts: list[str], side: str) -> dict[str, Any]:
         enc = encoder.tokenize(texts, args.max_length)
-        extra = args.max_length - enc["input_ids"].shape[1]
+        extra = widths[side] - enc["input_ids"].shape[1]
         return {k: np.pad(v, ((0, 0), (0, extra))) for k, v in enc.items()}
 
     rng = jax.random.key(args.seed)
     losses = []
     for n, b in zip(range(total), batches.iterate()):
-        batch = {"query": tokens(b.queries), "doc": tokens(b.docs)}
+        batch = {"query": tokens(b.queries, "query"), "doc": tokens(b.docs, "doc")}
         ids = id_codes(b.doc_ids, len(b.docs))
         params, state, value, metrics = update(params, state, batch, jax.random.fold_in(rng, n),
                                                ids)
