@@ -25,3 +25,18 @@ def test_demo_runs_and_trains(tmp_path, capsys):
     ndcg = [float(r.split()[2]) for r in rows[:2]]
     assert all(0 < x <= 1 and math.isfinite(x) for x in ndcg)
     assert "done: 2 steps" in out
+
+
+@pytest.mark.slow  # embeds the whole SciFact corpus (measured: 23 min on 2 shared cores)
+def test_flax_minilm_reproduces_the_published_scifact_figure():
+    from bigbatch.evaluate import evaluate_beir
+    from bigbatch.jax.bert import load_bert
+    from bigbatch.jax.encode import FlaxTextEncoder
+    from pipeline_helpers import SCIFACT
+
+    if not SCIFACT.is_dir():
+        pytest.skip("SciFact is not in ../shared/data")
+    model, params = load_bert(minilm_path())
+    encoder = FlaxTextEncoder(model, params, minilm_path(), max_length=256)
+    metrics = evaluate_beir(encoder, SCIFACT, "test", progress=False)
+    assert round(metrics["ndcg@10"], 4) == 0.6451  # the PyTorch base row of make demo
