@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # CPU build of torch where there is no GPU (a bare `torch` pulls a multi-GB CUDA build).
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo "torch"; else echo "torch==2.13.0"; fi)
 
-.PHONY: install test test-all demo demo-mix demo-vl example bench docs docs-serve clean
+.PHONY: install test test-all demo demo-mix demo-jax demo-vl example example-jax bench docs docs-serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,9 @@ demo-mix: $(STAMP)
 		--query-field title --doc-field text
 	HF_HUB_OFFLINE=1 $(VENV)/bin/bigbatch train --config configs/demo_mix.yaml \
 		--model "$(MINILM)" --eval-data "$(SCIFACT)" --overwrite
+# The same fine-tuning in JAX: the Flax MiniLM, the cached step, Optax AdamW (bigbatch.jax.demo).
+demo-jax: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m bigbatch.jax.demo --model "$(MINILM)" --data "$(SCIFACT)"
 
 # The vision-language path end to end on the CPU: SciFact abstracts rendered to page images,
 # a tiny random Qwen3-VL (no download), a few GradCache steps, evaluation, final/ saved.
@@ -70,6 +73,10 @@ demo-vl: $(STAMP)
 # The engine alone, in a hand-written loop (examples/engine_example.py).
 example: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) examples/engine_example.py
+
+# The JAX step alone (examples/jax_example.py).
+example-jax: $(STAMP)
+	$(PY) examples/jax_example.py
 
 # About 10-12 minutes on 2 CPU cores; results in bench/results/, tables in docs/benchmarks.md.
 # The published figures come from longer runs (more rounds, batches up to 65,536), each

@@ -48,8 +48,9 @@ from .guided import GuideRule, check_guide, count_guided
 if TYPE_CHECKING:
     from .distributed import Gathered
 
-__all__ = ["LogitScale", "TemperatureLoss", "InfoNCE", "CorpusInfoNCE", "LossOutput",
-           "PartialLoss", "hard_negative_count", "EXTRA_NEGATIVES", "extra_negatives_of"]
+__all__ = ["LogitScale", "initial_log_scale", "TemperatureLoss", "InfoNCE", "CorpusInfoNCE",
+           "LossOutput", "PartialLoss", "hard_negative_count", "EXTRA_NEGATIVES",
+           "extra_negatives_of"]
 
 EXTRA_NEGATIVES = {
     "qq": "the other queries of the batch as negatives of a query (itself left out)",
@@ -83,7 +84,6 @@ def extra_negatives_of(value: str | Sequence[str] | None) -> tuple[str, ...]:
 # direction) and the distillation objective's sum over queries
 EXTRA_STATS = ("guide_masked", "distill")
 
-
 class PartialLoss(NamedTuple):
     """A rank's part of a global loss: ``part`` (backpropagated on this rank; the parts of all
     ranks sum to the global loss), ``total`` (the detached global loss, identical on every
@@ -99,6 +99,29 @@ class LossOutput(NamedTuple):
 
     loss: Tensor
     metrics: dict[str, Tensor]
+
+
+def initial_log_scale(temperature: float, max_scale: float = 100.0,
+                      learnable: bool = True) -> float:
+    """``ln(1 / temperature)``, the starting ``log_scale`` of a :class:`LogitScale` (and of
+    :class:`bigbatch.jax.InfoNCE`'s temperature), after checking the temperature.
+
+    Raises:
+        ConfigError: temperature <= 0, max_scale < 1, or a learnable temperature outside
+            ``[1/max_scale, 1]`` (the clamp would move it after the first step).
+    """
+    if not temperature > 0:
+        raise ConfigError(f"temperature must be > 0, got {temperature!r}")
+    if not max_scale >= 1:
+        raise ConfigError(f"max_scale must be >= 1, got {max_scale!r}")
+    log_scale = math.log(1.0 / temperature)
+    if learnable and not -1e-12 <= log_scale <= math.log(max_scale) + 1e-12:
+        raise ConfigError(
+            f"a learnable temperature must lie in [1/max_scale, 1] = [{1 / max_scale:g}, 1] "
+            f"(clamp_() keeps it there), got {temperature!r}; "
+            + (f"raise max_scale to at least {1 / temperature:g}" if temperature < 1 else
+               "give a temperature of at most 1") + " or make the temperature fixed")
+    return log_scale
 
 
 class LogitScale(nn.Module):
@@ -123,18 +146,8 @@ class LogitScale(nn.Module):
     def __init__(self, temperature: float = 0.07, max_scale: float = 100.0,
                  learnable: bool = True) -> None:
         super().__init__()
-        if not temperature > 0:
-            raise ConfigError(f"temperature must be > 0, got {temperature!r}")
-        if not max_scale >= 1:
-            raise ConfigError(f"max_scale must be >= 1, got {max_scale!r}")
+        log_scale = initial_log_scale(temperature, max_scale, learnable)
         self.max_scale = float(max_scale)
-        log_scale = math.log(1.0 / temperature)
-        if learnable and not -1e-12 <= log_scale <= math.log(self.max_scale) + 1e-12:
-            raise ConfigError(
-                f"a learnable temperature must lie in [1/max_scale, 1] = [{1 / self.max_scale:g}, 1] "
-                f"(clamp_() keeps it there), got {temperature!r}; "
-                + (f"raise max_scale to at least {1 / temperature:g}" if temperature < 1 else
-                   "give a temperature of at most 1") + " or make the temperature fixed")
         init = torch.tensor(log_scale, dtype=torch.float32)
         if learnable:
             self.log_scale = nn.Parameter(init)
