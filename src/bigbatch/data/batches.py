@@ -10,7 +10,7 @@ its contiguous share of each global batch; incomplete global batches are dropped
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +34,12 @@ class Batch:
 
 
 class EpochBatches:
-    """Batches of ``batch_size`` records per rank, ``batch_size * world_size`` per step."""
+    """Batches of ``batch_size`` records per rank, ``batch_size * world_size`` per step.
+    ``records``: any sequence of records (a list, or records read by index:
+    :mod:`bigbatch.data.record_store`)."""
 
-    def __init__(self, records: list[TrainRecord], batch_size: int, num_hard_negatives: int = 0,
+    def __init__(self, records: Sequence[TrainRecord], batch_size: int,
+                 num_hard_negatives: int = 0,
                  seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
         self.records = records
         self.batch_size = batch_size
@@ -45,17 +48,24 @@ class EpochBatches:
         self.rank = rank
         self.world_size = world_size
         self.global_batch = batch_size * world_size
+        self._perm: tuple[int | None, torch.Tensor] = (None, torch.empty(0, dtype=torch.long))
 
     def __len__(self) -> int:
         """Steps per epoch."""
         return len(self.records) // self.global_batch
 
+    def _order(self, epoch: int) -> torch.Tensor:
+        """Epoch ``epoch``'s permutation of the records, kept as a tensor for the epoch's
+        batches (never a Python list: 8 bytes a record, drawn once per epoch)."""
+        if self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = (epoch, torch.randperm(len(self.records), generator=g))
+        return self._perm[1]
+
     def batch(self, epoch: int, index: int) -> Batch:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        order = torch.randperm(len(self.records), generator=g).tolist()
         lo = index * self.global_batch + self.rank * self.batch_size
         queries, docs, ids = [], [], []
-        for i in order[lo:lo + self.batch_size]:
+        for i in self._order(epoch)[lo:lo + self.batch_size].tolist():
             r = self.records[i]
             queries.append(r.query)
             docs.append(r.positive)

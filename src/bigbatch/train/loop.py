@@ -18,7 +18,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import torch
 
 from .. import distributed as D
 from .._progress import progress_bar
-from ..errors import ConfigError
+from ..errors import ConfigError, DataError
 from .build import (DTYPES, build_cache, build_encoder, build_loss, build_optimizer,
                     device_for)
 from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run, latest_checkpoint,
@@ -127,7 +127,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ build
     def __init__(self, config: TrainConfig) -> None:
-        from ..data import EpochBatches, load_records
+        from ..data import EpochBatches
         from ..evaluate import LOWER_IS_BETTER, check_beir_split
 
         config.validate()
@@ -149,8 +149,7 @@ class Trainer:
         self.run_id: str = from_main(self._run_id(resume_run), info)
         self.steps_done = 0  # optimizer steps done by this process
         barrier(info)
-        self.records = load_records(config.train_data, config.train_split,
-                                    config.num_hard_negatives, config.data_root)
+        self.records = self._open_records()
         if config.eval_data:  # a bad evaluation set stops the run now, not after training
             check_beir_split(config.eval_data, config.eval_split, config.best_metric)
         if config.grad_cache_chunk > config.batch_size:
@@ -191,6 +190,30 @@ class Trainer:
         self.columns: list[str] | None = None  # of the evaluation rows printed
         self.last_metrics: dict[str, float] | None = None
         self.last_eval_step = -1
+
+    def _open_records(self) -> Sequence[Any]:
+        """The training records, read by index (:func:`~bigbatch.data.record_store.open_records`):
+        the main rank validates and indexes the data (once; while the others wait), then
+        every rank opens the index. Bad data stops every rank with the main rank's report."""
+        from ..data.record_store import open_records
+
+        config, info = self.config, self.info
+
+        def open_() -> Sequence[Any]:
+            return open_records(config.train_data, config.train_split,
+                                config.num_hard_negatives, config.data_root)
+
+        if info.world_size == 1:
+            return open_()
+        records, error = None, None
+        if info.is_main:
+            try:
+                records = open_()
+            except (DataError, ConfigError) as e:
+                error = e
+        barrier(info)  # the others wait (however long indexing takes), then all agree
+        D.raise_together(error)
+        return records if records is not None else open_()
 
     def _run_id(self, resume_run: str | None) -> str:
         """A resumed run keeps its id (for a checkpoint from before run ids, the id of the
