@@ -283,3 +283,51 @@ def test_the_store_holds_no_record_in_memory(tmp_path):
         tracemalloc.stop()
     assert len(store) == 100_000 and len(batch.queries) == 256
     assert peak < 3 * 2**20, peak
+
+
+def _index_on_main_cases(good: str, bad: str, cache: str) -> dict:
+    def cases() -> dict:
+        from bigbatch.distributed import world_info
+        from bigbatch.train.ranks import main_first
+
+        built: list[str] = []
+        real = record_store._build
+        record_store._build = lambda source, *a: (built.append(str(source)), real(source, *a))[1]
+        info = world_info()
+        records = main_first(lambda: open_records(good, cache_dir=cache), info)
+        try:
+            main_first(lambda: open_records(bad, cache_dir=cache), info)
+            stopped = None
+        except DataError as e:
+            stopped = str(e)
+        return {"queries": [r.query for r in records], "built": len(built), "stopped": stopped}
+    return {"index": cases}
+
+
+def _index_worker(rank, world, port, out_path, good, bad, cache):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dist_helpers import run_cases
+
+    run_cases(rank, world, port, out_path, _index_on_main_cases(good, bad, cache))
+
+
+@pytest.mark.slow  # two spawned gloo ranks: about 30 s on 2 cores
+def test_across_two_ranks_the_main_rank_indexes_and_a_bad_record_stops_both(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dist_helpers import spawn_and_collect
+
+    good = _write_jsonl(tmp_path / "good.jsonl", _text_rows(6))
+    rows = _text_rows(6)
+    rows[3]["query"] = ""
+    bad = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    per_rank = spawn_and_collect(_index_worker, tmp_path / "r.json", str(good), str(bad),
+                                 str(tmp_path / "cache"))
+    index = [r["index"] for r in per_rank]
+    assert [r["queries"] for r in index] == [[f"q{i}" for i in range(6)]] * 2
+    assert [r["built"] for r in index] == [2, 0]  # rank 1 opened rank 0's index
+    for r in index:  # both ranks stop, with the main rank's report
+        assert f"{bad}:4, field 'query'" in r["stopped"] and "rank 0" in r["stopped"]

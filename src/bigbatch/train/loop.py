@@ -26,7 +26,7 @@ import torch
 
 from .. import distributed as D
 from .._progress import progress_bar
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError
 from .build import (DTYPES, build_cache, build_encoder, build_loss, build_optimizer,
                     device_for)
 from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run, latest_checkpoint,
@@ -37,7 +37,7 @@ from .corpus import FixedCorpus
 from .logging import RunLogger, eval_columns, format_eval_row, plot_metrics
 from .memory_check import check_fits, describe, estimate_run_step, free_memory
 from .outdir import check_output_dir, claim_output_dir, remove_created
-from .ranks import barrier, from_main, gather_rng_states
+from .ranks import barrier, from_main, gather_rng_states, main_first
 from .resume import check_resume_matches, check_resumed_data, check_resumed_step, resume_path
 from .runid import new_run_id, run_id_of
 from .schedule import make_scheduler
@@ -193,27 +193,14 @@ class Trainer:
 
     def _open_records(self) -> Sequence[Any]:
         """The training records, read by index (:func:`~bigbatch.data.record_store.open_records`):
-        the main rank validates and indexes the data (once; while the others wait), then
-        every rank opens the index. Bad data stops every rank with the main rank's report."""
+        the main rank validates and indexes the data (once) while the others wait, then
+        every rank opens the index (:func:`~bigbatch.train.ranks.main_first`)."""
         from ..data.record_store import open_records
 
-        config, info = self.config, self.info
-
-        def open_() -> Sequence[Any]:
-            return open_records(config.train_data, config.train_split,
-                                config.num_hard_negatives, config.data_root)
-
-        if info.world_size == 1:
-            return open_()
-        records, error = None, None
-        if info.is_main:
-            try:
-                records = open_()
-            except (DataError, ConfigError) as e:
-                error = e
-        barrier(info)  # the others wait (however long indexing takes), then all agree
-        D.raise_together(error)
-        return records if records is not None else open_()
+        config = self.config
+        return main_first(lambda: open_records(config.train_data, config.train_split,
+                                               config.num_hard_negatives, config.data_root),
+                          self.info)
 
     def _run_id(self, resume_run: str | None) -> str:
         """A resumed run keeps its id (for a checkpoint from before run ids, the id of the
