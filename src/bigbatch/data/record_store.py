@@ -1,10 +1,11 @@
 """Training records read by index: millions of records in bounded memory.
 
 :func:`open_records` validates a training source once, as
-:func:`~bigbatch.data.records.load_records` does (every problem reported with file, line and field before step 1), while streaming it
-one record at a time, and keeps an index of where each record is. Training then reads a
-record when its batch is made (:class:`RecordStore`, a ``Sequence`` of
-:class:`~bigbatch.data.types.TrainRecord`): no record is held as a Python object.
+:func:`~bigbatch.data.records.load_records` does (every problem reported with file, line and
+field before step 1), while streaming it one record at a time, and keeps an index of where
+each record is. Training then reads a record when its batch is made (:class:`RecordStore`,
+a ``Sequence`` of :class:`~bigbatch.data.types.TrainRecord`): no record is held as a Python
+object.
 
 - JSONL files, and folders of JSONL shards (:mod:`bigbatch.data.shards`): the byte offset
   of each record's line, kept as NumPy arrays that are memory-mapped when read.

@@ -1,7 +1,7 @@
 """The main rank working alone while the others wait: evaluating, embedding a corpus,
-indexing the training data or writing a checkpoint can take far longer than ``--dist-timeout`` (which bounds
-collectives), so the waiting ranks use a group of their own with a long timeout. Also the
-gathering of every rank's random state for a checkpoint.
+indexing the training data or writing a checkpoint can take far longer than
+``--dist-timeout`` (which bounds collectives), so the waiting ranks use a group of their own
+with a long timeout. Also the gathering of every rank's random state for a checkpoint.
 """
 
 from __future__ import annotations
