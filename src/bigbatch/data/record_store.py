@@ -275,7 +275,7 @@ class RecordStore(Sequence[TrainRecord]):
         Raises:
             DataError: naming how many and their first lines.
         """
-        if num_hard_negatives <= 0:
+        if num_hard_negatives <= self.meta["min_negatives"]:
             return
         short = np.flatnonzero(np.asarray(self.negs) < num_hard_negatives)
         if len(short):
@@ -345,11 +345,13 @@ def _build(source: Path, split: str, fmt: str, kind: str, files: list[Path],
                   "negs": np.int32}
         for k in _ARRAYS:
             np.save(tmp / f"{k}.npy", np.concatenate(cols[k]).astype(dtypes[k]))
+            cols[k].clear()
+        negs = np.load(tmp / "negs.npy")
         if kind == "parquet":
             for i, f in enumerate(files):
                 _write_arrow_copy(f, _arrow_copy(tmp, i))
         meta = {**_settings(source, split, fmt, kind, data_root), "files": signatures,
-                "count": total,
+                "count": total, "min_negatives": int(negs.min()) if total else 0,
                 "summary": {"systems": summary.systems, "first_image": summary.first_image}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
         if folder.exists():
@@ -393,13 +395,18 @@ def _load(source: Path, folder: Path, meta: dict[str, Any],
         if arrays[k].shape != (meta["count"],):
             raise refuse(f"{k}.npy holds {arrays[k].shape[0]} entries, the index "
                          f"{meta['count']} records")
-    if meta["count"]:
-        if int(arrays["part"].max()) >= len(meta["files"]) or int(arrays["part"].min()) < 0:
+    n = meta["count"]
+    if n:  # a sample of the entries (the first and last thousand, then one in n / 4096):
+        # reading them all would bring the whole index into memory at every start
+        at = np.unique(np.concatenate([np.arange(min(n, 1024)), np.arange(max(0, n - 1024), n),
+                                       np.arange(0, n, max(1, n // 4096))]))
+        part = np.asarray(arrays["part"][at])
+        if int(part.max()) >= len(meta["files"]) or int(part.min()) < 0:
             raise refuse("a record names a file the index does not list")
         if meta["kind"] == "jsonl":
             sizes = np.array([s["size"] for s in meta["files"]], np.int64)
-            if (np.asarray(arrays["end"]) > sizes[np.asarray(arrays["part"])]).any() or \
-                    (np.asarray(arrays["pos"]) >= np.asarray(arrays["end"])).any():
+            pos, end = np.asarray(arrays["pos"][at]), np.asarray(arrays["end"][at])
+            if (end > sizes[part]).any() or (pos >= end).any() or (pos < 0).any():
                 raise refuse("a record's byte range lies outside its file")
         if meta["kind"] == "parquet":
             missing = [i for i in range(len(meta["files"])) if not _arrow_copy(folder, i).is_file()]
