@@ -11,13 +11,13 @@ For each size, each phase in a fresh process (its peak resident memory is that p
   32-wide BERT, batch 16 with 3 hard negatives, 32 tokens, the index cached): peak resident memory;
 - ``datapath``: batches made from the records alone (``EpochBatches.batch``, batch 256 with
   3 negatives each: what a step reads, before tokenizing), per second;
-- ``eager`` (the smallest size only): the records loaded as Python objects
+- ``eager`` (100k records and fewer): the records loaded as Python objects
   (``load_records``, what training did before), for comparison.
 
 The files are written under ``--dir`` (``/tmp/bigbatch-data-scale``), never in the
 repository; ``--words`` shortens the texts where the disk is short. Results go to
-``bench/results/data_scale.json``; ``python bench/report.py`` is not needed: the table is
-printed and written into docs/benchmarks.md by hand.
+``bench/results/data_scale.json`` (``--out``); ``python bench/report.py`` writes their table
+into docs/benchmarks.md.
 
     python bench/data_scale.py --sizes 100000 1000000 10000000
 """
@@ -146,7 +146,7 @@ def main() -> None:
                "write_seconds": time.perf_counter() - t}
         shutil.rmtree(args.dir / "cache", ignore_errors=True)
         for phase in ("index", "cached", "datapath", "train") + (
-                ("eager",) if n == min(args.sizes) else ()):
+                ("eager",) if n <= 100_000 else ()):
             row[phase] = _child(phase, args, file)
             print(n, phase, row[phase], flush=True)
         rows.append(row)
@@ -156,20 +156,9 @@ def main() -> None:
         args.out.write_text(json.dumps({"when": now(), "machine": machine("cpu"),
                                         "words_per_text": args.words, "rows": rows}, indent=1))
     shutil.rmtree(args.dir / "cache", ignore_errors=True)
-    print(table(rows))
+    from report import data_scale_section
 
-
-def table(rows: list[dict]) -> str:
-    """The Markdown table of docs/benchmarks.md."""
-    lines = ["| records | file | first run: index | cached start (process) | peak RSS, cached "
-             "start | peak RSS, 5 tiny-model steps | data path, batches of 256 / s |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['records']:,} | {r['file_gb']:.1f} GB | {r['index']['seconds']:.0f} s "
-                     f"| {r['cached']['seconds']:.2f} s ({r['cached']['process_seconds']:.1f} s) "
-                     f"| {r['cached']['peak_rss_mb']:,.0f} MB | {r['train']['peak_rss_mb']:,.0f} MB "
-                     f"| {r['datapath']['batches_per_s']:.1f} |")
-    return "\n".join(lines)
+    print("\n".join(data_scale_section([args.out])))
 
 
 if __name__ == "__main__":
