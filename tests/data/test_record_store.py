@@ -331,3 +331,36 @@ def test_across_two_ranks_the_main_rank_indexes_and_a_bad_record_stops_both(tmp_
     assert [r["built"] for r in index] == [2, 0]  # rank 1 opened rank 0's index
     for r in index:  # both ranks stop, with the main rank's report
         assert f"{bad}:4, field 'query'" in r["stopped"] and "rank 0" in r["stopped"]
+
+
+@pytest.mark.slow  # four short training runs of a tiny model
+def test_training_from_the_index_resumes_exactly_and_equals_training_from_memory(
+        tmp_path, monkeypatch):
+    from pipeline_helpers import tiny_bert
+
+    from bigbatch.train import TrainConfig, train
+
+    tiny = tiny_bert(tmp_path / "tiny", dropout=0.1)
+    rows = [{"query": f"what is item {i}", "positive": f"item {i} is thing {i * 7}",
+             "negatives": [f"item {i + 1} is other {i}", f"nothing about {i}"]}
+            for i in range(24)]
+    data = _write_jsonl(tmp_path / "train.jsonl", rows)
+
+    def run(out: str, **kw) -> TrainConfig:
+        return TrainConfig(model=str(tiny), train_data=str(data), output_dir=str(tmp_path / out),
+                          batch_size=4, grad_cache_chunk=3, num_hard_negatives=1, max_steps=5,
+                          warmup_steps=1, save_steps=2, eval_steps=0, eval_at_start=False,
+                          lora_r=4, lora_alpha=8, max_length=24, seed=5, **kw)
+
+    def losses(out: str) -> dict[int, float]:
+        lines = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+    train(run("straight"))
+    train(run("resumed"), on_step_end=lambda step, state: step >= 3)
+    train(run("resumed", resume=str(tmp_path / "resumed")))
+    assert losses("straight") == losses("resumed") and len(losses("straight")) == 5
+    monkeypatch.setattr(record_store, "open_records", lambda source, split, k, root:
+                        load_records(source, split, k, root))
+    train(run("from-memory"))
+    assert losses("from-memory") == losses("straight")
