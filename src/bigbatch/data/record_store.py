@@ -137,10 +137,9 @@ class _JsonlPart:
 
     def __init__(self, path: Path, signature: dict[str, Any], folder: Path, i: int) -> None:
         self.path, self.signature = path, signature
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
 
-    def check(self) -> None:
-        st = os.fstat(self.fd)
+    def check(self, fd: int) -> None:
+        st = os.fstat(fd)
         if (st.st_size, st.st_mtime_ns) != (self.signature["size"], self.signature["mtime_ns"]):
             raise DataError("changed since it was indexed for this run (records are read "
                             "as batches are made): leave training data unchanged while a "
@@ -148,9 +147,14 @@ class _JsonlPart:
                             path=str(self.path))
 
     def row(self, pos: int, end: int, line: int) -> dict:
-        self.check()
-        start = max(pos - 1, 0)
-        data = os.pread(self.fd, end - start, start)
+        # opened for each read: a folder may hold more shards than a process may keep open
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            self.check(fd)
+            start = max(pos - 1, 0)
+            data = os.pread(fd, end - start, start)
+        finally:
+            os.close(fd)
         if pos and data[:1] not in (b"\n", b"\r"):
             raise DataError("the record index does not match the file (an offset is not at "
                             "the start of a line)", path=str(self.path), line=line)
@@ -162,7 +166,7 @@ class _JsonlPart:
         return rec
 
     def close(self) -> None:
-        os.close(self.fd)
+        return None
 
 
 class _TablePart:
@@ -179,9 +183,6 @@ class _TablePart:
             self.table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         else:
             self.table = pa.ipc.open_file(pa.memory_map(str(_arrow_copy(folder, i)))).read_all()
-
-    def check(self) -> None:
-        return None
 
     def row(self, pos: int, end: int, line: int) -> dict:
         if not 0 <= pos < self.table.num_rows:
