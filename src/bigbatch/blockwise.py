@@ -2,8 +2,9 @@
 
 For rows ``r_i``, columns ``c_j``, a positive column ``p(i)`` per row and a logit scale
 ``t``, the sum over rows of ``logsumexp_j(t r_i.c_j) - t r_i.c_{p(i)}``, where excluded
-columns (:class:`Exclusions`: same ids, a false-negative margin, listed pairs) are left out
-of the log-sum-exp. Both contrastive losses of :mod:`bigbatch.losses` are built on it.
+columns (:class:`Exclusions`: same ids, a false-negative margin, listed pairs, a guide
+model's verdict) are left out of the log-sum-exp. Both contrastive losses of
+:mod:`bigbatch.losses` are built on it.
 
 Streamed (the default): the rows are cut into blocks of ``block`` rows. The forward pass
 computes one block's ``block x N`` similarities at a time and keeps only the inputs and one
@@ -31,6 +32,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .errors import ConfigError
+from .guided import GuideRule, guide_exceeds
 
 __all__ = ["MAX_BLOCK_LOGITS", "STATS", "Exclusions", "check_blocking", "rows_per_block",
            "cross_entropy_sum"]
@@ -90,12 +92,26 @@ class Exclusions:
         margin: a column whose similarity exceeds the row's positive similarity plus
             ``margin`` is excluded (selected on detached similarities).
         pairs: ``(M, 2)`` long tensor of (row, column) pairs to exclude.
+        margin_cols: the margin applies to the first ``margin_cols`` columns only (None:
+            to all); InfoNCE's document-document columns are left out of it, as in
+            Qwen3-Embedding.
+        guide_rows, guide_cols: a guide model's embeddings of the rows and of the columns
+            (any width, detached): a column the guide scores above the row's positive, by
+            ``guide_rule`` (:mod:`bigbatch.guided`), is excluded.
+        own_group: when set (the group's width), every column outside the row's own group
+            ``[pos_i, pos_i + own_group)`` is excluded: no in-batch negatives, only the
+            row's own hard negatives (classification-style data, whose labels repeat).
     """
 
     col_ids: Tensor | None = None
     row_ids: Tensor | None = None
     margin: float | None = None
     pairs: Tensor | None = None
+    margin_cols: int | None = None
+    guide_rows: Tensor | None = None
+    guide_cols: Tensor | None = None
+    guide_rule: GuideRule = GuideRule()
+    own_group: int | None = None
 
     def mask(self, sim: Tensor, pos: Tensor, pos_sim: Tensor, lo: int, hi: int) -> Tensor | None:
         """The boolean ``(hi - lo, N)`` mask of excluded columns of rows ``lo:hi`` (whose
@@ -106,12 +122,21 @@ class Exclusions:
             mask = self.col_ids[None, :] == self.row_ids[lo:hi, None]
         if self.margin is not None:
             over = sim > (pos_sim + self.margin)[:, None]
+            if self.margin_cols is not None:
+                over[:, self.margin_cols:] = False
+            mask = over if mask is None else mask.logical_or_(over)
+        if self.guide_rows is not None:
+            over = guide_exceeds(self.guide_rows[lo:hi], self.guide_cols, pos, self.guide_rule)
             mask = over if mask is None else mask.logical_or_(over)
         if self.pairs is not None:
             if mask is None:
                 mask = torch.zeros(sim.shape, dtype=torch.bool, device=sim.device)
             pick = (self.pairs[:, 0] >= lo) & (self.pairs[:, 0] < hi)
             mask[self.pairs[pick, 0] - lo, self.pairs[pick, 1]] = True
+        if self.own_group is not None:
+            cols = torch.arange(sim.shape[1], device=sim.device)[None]
+            outside = (cols < pos[:, None]) | (cols >= pos[:, None] + self.own_group)
+            mask = outside if mask is None else mask.logical_or_(outside)
         if mask is not None:
             mask.scatter_(1, pos[:, None], False)
         return mask

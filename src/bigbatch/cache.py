@@ -111,7 +111,16 @@ class GradCache:
         loss_fn: called as ``loss_fn(**{name: embeddings}, **loss_kwargs)``; returns a scalar
             tensor, a ``(loss, metrics)`` pair (e.g. :class:`bigbatch.InfoNCE`) or a dict with
             a ``"loss"`` key. Any loss works, not only InfoNCE.
-        chunk_size: rows per chunk, one int for all towers or ``{name: int}``.
+        chunk_size: rows per chunk, one int for all towers or ``{name: int}``; with
+            ``chunk_tokens``, the most rows a chunk may hold.
+        chunk_tokens: a token budget per chunk, one int for all towers or ``{name: int}``
+            (towers left out are cut by rows alone): a chunk holds as many rows as fit this
+            many padded tokens (rows x the chunk's longest row, after ``trim_padding``), so
+            one chunk's activations stay bounded when short and long texts mix. With
+            ``sort_by_length`` the rows are packed longest first. A row longer than the budget
+            is a chunk of its own. Needs tokenized inputs (a dict with a 2-d
+            ``attention_mask``, or a ``(rows, tokens)`` tensor) and the default
+            :meth:`split_inputs`. Exact, as row chunks are.
         collate_fn: for towers fed lists of raw examples: a callable (all towers) or
             ``{name: callable}`` that turns a list of examples into a tensor or dict. It runs
             under the chunk's recorded random state, so random augmentation in it draws the
@@ -157,6 +166,7 @@ class GradCache:
 
     def __init__(self, towers: Mapping[str, Callable[..., Tensor]], loss_fn: Callable[..., Any],
                  chunk_size: int | Mapping[str, int], *,
+                 chunk_tokens: int | Mapping[str, int] | None = None,
                  collate_fn: Callable[[list], Any] | Mapping[str, Callable[[list], Any]] | None = None,
                  device: torch.device | str | None = None,
                  autocast_dtype: torch.dtype | None = None,
@@ -178,6 +188,7 @@ class GradCache:
         self.towers: dict[str, Callable[..., Tensor]] = dict(towers)
         self.loss_fn = loss_fn
         self.chunk_sizes = chunking.chunk_sizes(chunk_size, self.towers)
+        self.chunk_tokens = self._token_budgets(chunk_tokens)
         self.collate_fns = chunking.collate_fns(collate_fn, self.towers)
         self.device = torch.device(device) if device is not None else None
         if autocast_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
@@ -385,9 +396,18 @@ class GradCache:
         if self.sort_by_length and type(self).split_inputs is GradCache.split_inputs:
             chunking.rows_of(inputs, name)  # the checks of the default layout
             order = chunking.length_order(inputs)
+        bounds = None
+        if name in self.chunk_tokens:  # a token budget: the default layout, checked at init
+            bounds = chunking.token_bounds(inputs, self.chunk_tokens[name],
+                                           self.chunk_sizes[name], name=name, order=order,
+                                           trim_padding=self.trim_padding)
         if order is not None:
             chunks, rows = chunking.ordered_chunks(inputs, order, self.chunk_sizes[name],
-                                                   trim_padding=self.trim_padding)
+                                                   trim_padding=self.trim_padding, bounds=bounds)
+        elif bounds is not None:
+            chunks, rows = chunking.split_inputs(inputs, self.chunk_sizes[name], name=name,
+                                                 collate=self.collate_fns.get(name),
+                                                 trim_padding=self.trim_padding, bounds=bounds)
         else:
             chunks, rows = chunking.checked_split(
                 name, *self.split_inputs(name, inputs, self.chunk_sizes[name]))
@@ -395,6 +415,33 @@ class GradCache:
             raise InputError(f"input for tower {name!r} has no rows")
         return _TowerRun(name, _is_trainable(D.unwrap_ddp(self.towers[name])), chunks, rows,
                          order)
+
+    def _token_budgets(self, chunk_tokens: int | Mapping[str, int] | None) -> dict[str, int]:
+        """``{tower: token budget}`` for the towers cut by tokens (none when None).
+
+        Raises:
+            ConfigError: a budget that is not a positive integer, a dict naming an unknown
+                tower, or a budget with an overridden :meth:`split_inputs` (whose layout the
+                engine does not know).
+        """
+        if chunk_tokens is None:
+            return {}
+        if isinstance(chunk_tokens, Mapping):
+            unknown = set(chunk_tokens) - set(self.towers)
+            if unknown:
+                raise ConfigError(f"chunk_tokens names unknown towers {sorted(unknown)}; "
+                                  f"towers are {list(self.towers)}")
+            budgets = dict(chunk_tokens)
+        else:
+            budgets = {n: chunk_tokens for n in self.towers}
+        for name, budget in budgets.items():
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+                raise ConfigError(f"chunk_tokens for tower {name!r} must be a positive integer "
+                                  f"(padded tokens per chunk), got {budget!r}")
+        if budgets and type(self).split_inputs is not GradCache.split_inputs:
+            raise ConfigError("chunk_tokens cuts the default layout of inputs; an overridden "
+                              "split_inputs defines its own chunks (use chunk_size there)")
+        return budgets
 
     def _rank_step(self) -> crossrank.RankStep:
         """The cross-rank agreements of one step, with the options as they are now."""
@@ -424,5 +471,6 @@ class GradCache:
                                  "temperature (logit scale) and the embeddings' scale")
 
     def __repr__(self) -> str:
-        return (f"GradCache(towers={list(self.towers)}, chunk_size={self.chunk_sizes}, "
+        tokens = f", chunk_tokens={self.chunk_tokens}" if self.chunk_tokens else ""
+        return (f"GradCache(towers={list(self.towers)}, chunk_size={self.chunk_sizes}{tokens}, "
                 f"loss_fn={type(self.loss_fn).__name__})")

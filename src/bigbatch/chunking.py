@@ -16,7 +16,10 @@ arguments, e.g. a tokenizer's output), or a list of raw examples with a ``collat
 and :func:`ordered_chunks` cuts the ordered rows into :class:`GatheredChunk` pieces, each
 gathered from the inputs (:func:`index_rows`) only when it is embedded, so no reordered
 copy of the whole batch is kept beside the inputs; :func:`to_device` and :func:`first_device` move a
-chunk to the engine's device and find where it lives. :func:`chunk_sizes` and
+chunk to the engine's device and find where it lives. :func:`token_bounds` cuts by a token
+budget instead (``GradCache(chunk_tokens=...)``): a chunk holds as many rows as fit the
+budget of padded tokens (rows x the chunk's longest row), so a chunk of long texts holds few
+rows and one of short texts many. :func:`chunk_sizes` and
 :func:`collate_fns` read the engine's per-tower options, and :func:`checked_split` checks
 what an overridden ``split_inputs`` returned.
 """
@@ -35,7 +38,7 @@ from .errors import ConfigError, InputError
 __all__ = [
     "Chunk", "RawChunk", "GatheredChunk", "materialize", "rows_of", "chunk_bounds",
     "split_inputs", "token_spans", "trim_columns", "length_order", "ordered_chunks",
-    "index_rows", "to_device", "first_device",
+    "index_rows", "to_device", "first_device", "token_bounds",
     "chunk_sizes", "collate_fns", "checked_split",
 ]
 
@@ -181,9 +184,58 @@ def chunk_bounds(n: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + chunk_size, n)) for lo in range(0, n, chunk_size)]
 
 
+def token_bounds(inputs: Any, chunk_tokens: int, max_rows: int, *, name: str,
+                 order: Tensor | None = None,
+                 trim_padding: bool = True) -> list[tuple[int, int]]:
+    """``[lo, hi)`` row ranges (of the rows taken in ``order``, when given) each holding as
+    many rows as fit ``chunk_tokens`` padded tokens and at most ``max_rows`` rows, in order.
+
+    A chunk's padded tokens are its rows times its width: with ``trim_padding``, the columns
+    from its rows' first to last real token (:func:`token_spans`); without, every column. A
+    row longer than the budget is a chunk of its own.
+
+    Raises:
+        InputError: inputs without token columns: a tokenized dict needs a 2-d
+            ``attention_mask``, a tensor at least 2 dimensions; raw examples are collated
+            per chunk, so their token counts are not known beforehand.
+    """
+    n = rows_of(inputs, name)
+    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+    if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == n:
+        t = mask.shape[1]
+        first_l, last_l = _extents(mask)
+        if not trim_padding:
+            first_l, last_l = [0] * n, [t - 1] * n
+    elif isinstance(inputs, Tensor) and inputs.dim() >= 2:
+        t = inputs.shape[1]
+        first_l, last_l = [0] * n, [t - 1] * n
+    else:
+        raise InputError(f"chunk_tokens needs token counts for tower {name!r}: give a tokenized "
+                         f"dict with a 2-d attention_mask or a (rows, tokens) tensor; raw "
+                         f"examples are collated per chunk, so their lengths are unknown "
+                         f"beforehand (use chunk_size alone for them)")
+    if order is not None:
+        idx = order.tolist()
+        first_l, last_l = [first_l[i] for i in idx], [last_l[i] for i in idx]
+    bounds: list[tuple[int, int]] = []
+    lo = 0
+    while lo < n:
+        a, b = first_l[lo], last_l[lo]
+        hi = lo + 1
+        while hi < n and hi - lo < max_rows:
+            a2, b2 = min(a, first_l[hi]), max(b, last_l[hi])
+            if (hi + 1 - lo) * max(b2 - a2 + 1, 1) > chunk_tokens:
+                break
+            a, b, hi = a2, b2, hi + 1
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
 def split_inputs(inputs: Any, chunk_size: int, *, name: str,
                  collate: Callable[[list], Any] | None = None,
-                 trim_padding: bool = True) -> tuple[list[Chunk], list[int]]:
+                 trim_padding: bool = True,
+                 bounds: list[tuple[int, int]] | None = None) -> tuple[list[Chunk], list[int]]:
     """Cut one tower's inputs into chunks of at most ``chunk_size`` rows (the layout of
     :meth:`bigbatch.GradCache.split_inputs`, described in the module docstring).
 
@@ -193,6 +245,8 @@ def split_inputs(inputs: Any, chunk_size: int, *, name: str,
         name: the tower, for messages.
         collate: the tower's ``collate_fn``, needed for a list of raw examples.
         trim_padding: cut a tokenized dict's chunks to their own longest row.
+        bounds: the chunks' row ranges (from :func:`token_bounds`) instead of ``chunk_size``
+            rows each.
 
     Returns:
         the chunks and their row counts.
@@ -201,7 +255,7 @@ def split_inputs(inputs: Any, chunk_size: int, *, name: str,
         InputError: inputs of no known layout, or raw examples without ``collate``.
     """
     n = rows_of(inputs, name)
-    bounds = chunk_bounds(n, chunk_size)
+    bounds = chunk_bounds(n, chunk_size) if bounds is None else bounds
     rows = [hi - lo for lo, hi in bounds]
     if isinstance(inputs, Tensor):
         return [inputs[lo:hi] for lo, hi in bounds], rows
@@ -241,11 +295,8 @@ def token_spans(inputs: Mapping, bounds: list[tuple[int, int]], n: int,
     mask = inputs.get("attention_mask")
     if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[0] != n:
         return [None] * len(bounds)
-    nz = mask != 0
     t = mask.shape[1]
-    first = torch.where(nz.any(1), nz.int().argmax(1), t)
-    last = torch.where(nz.any(1), t - 1 - nz.flip(1).int().argmax(1), -1)
-    first_l, last_l = first.tolist(), last.tolist()
+    first_l, last_l = _extents(mask)
     if order is not None:
         idx = order.tolist()
         first_l, last_l = [first_l[i] for i in idx], [last_l[i] for i in idx]
@@ -254,6 +305,16 @@ def token_spans(inputs: Mapping, bounds: list[tuple[int, int]], n: int,
         a, b = min(first_l[lo:hi]), max(last_l[lo:hi])
         spans.append((a, b + 1) if b >= a else (0, t))
     return spans
+
+
+def _extents(mask: Tensor) -> tuple[list[int], list[int]]:
+    """Each row's first and last real token column of a 2-d attention mask (``t`` and -1
+    for a row without any), with one host-device synchronisation."""
+    nz = mask != 0
+    t = mask.shape[1]
+    first = torch.where(nz.any(1), nz.int().argmax(1), t)
+    last = torch.where(nz.any(1), t - 1 - nz.flip(1).int().argmax(1), -1)
+    return first.tolist(), last.tolist()
 
 
 def trim_columns(chunk: dict, span: tuple[int, int], t: int, rows: int) -> dict:
@@ -276,13 +337,15 @@ def length_order(inputs: Any) -> Tensor | None:
 
 
 def ordered_chunks(inputs: Mapping, order: Tensor, chunk_size: int, *,
-                   trim_padding: bool = True) -> tuple[list[Chunk], list[int]]:
+                   trim_padding: bool = True,
+                   bounds: list[tuple[int, int]] | None = None) -> tuple[list[Chunk], list[int]]:
     """The chunks :func:`split_inputs` makes of a tokenized dict's rows taken in ``order``
     (from :func:`length_order`), as :class:`GatheredChunk` pieces: each is gathered from
-    ``inputs`` when it is embedded, never a reordered copy of the whole batch. Returns the
-    chunks and their row counts."""
+    ``inputs`` when it is embedded, never a reordered copy of the whole batch; ``bounds``
+    (from :func:`token_bounds`, in the ordered rows) instead of ``chunk_size`` rows each.
+    Returns the chunks and their row counts."""
     n = len(order)
-    bounds = chunk_bounds(n, chunk_size)
+    bounds = chunk_bounds(n, chunk_size) if bounds is None else bounds
     spans = token_spans(inputs, bounds, n, order) if trim_padding else [None] * len(bounds)
     return ([GatheredChunk(inputs, order[lo:hi], n, span) for (lo, hi), span in zip(bounds, spans)],
             [hi - lo for lo, hi in bounds])

@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .data.formats import (FORMATS, READ_ONLY_FORMATS, SWIFT_DOC_INSTRUCTION,
                            SWIFT_QUERY_INSTRUCTION)
@@ -25,10 +26,22 @@ __all__ = ["main", "build_parser"]
 _HELP = {
     "model": "required: transformers model path or name (e.g. the all-MiniLM-L6-v2 folder)",
     "train_data": "required: JSONL records (query, positive|chunk_path, negatives|neg_chunk_paths), a "
-                  "swift or st (JSONL or .parquet) file (detected), or a BEIR directory",
+                  "swift or st (JSONL or .parquet) file (detected), or a BEIR directory; "
+                  "several sources: repeat the flag or give a comma list (every batch is "
+                  "drawn from one source; in YAML a list whose entries may set name, weight, "
+                  "query_instruction/doc_instruction or prefixes, num_hard_negatives, "
+                  "in_batch_negatives, max_records: see docs/guides/multi-dataset.md)",
+    "mix_temperature": "several --train-data sources without weights: draw each step's "
+                       "source with probability proportional to size ** (1 / this); 1: by "
+                       "size, larger: closer to uniform (small sources up-sampled)",
+    "exclude_instruction_from_pooling": "leave the query/document prefix's tokens out of mean "
+                                        "pooling (GritLM, INSTRUCTOR): the model attends to "
+                                        "the instruction, the embedding averages the text",
     "train_split": "qrels split used as training pairs when --train-data is a BEIR directory",
-    "eval_data": "BEIR directory evaluated with full-corpus retrieval (default: none, no "
-                 "evaluation)",
+    "eval_data": "BEIR directory evaluated with full-corpus retrieval; several: repeat the "
+                 "flag or give a comma list (each reported as <name>/<metric>, their mean "
+                 "selects best/; each embedded with the prompts of the training source of "
+                 "the same name) (default: none, no evaluation)",
     "eval_split": "qrels split to evaluate on",
     "output_dir": "where checkpoints, best/, final/, metrics.jsonl and the plot go: a new or "
                   "empty folder (a folder holding another run or other files is refused: "
@@ -54,6 +67,19 @@ _HELP = {
     "loss_block_size": "query rows per block of the streamed loss (default: automatic, at most "
                        "2**22 logits a block, so the batch x documents logits never exist at "
                        "once; 0: the dense loss, all logits at once)",
+    "matryoshka_dims": "Matryoshka: train every one of these embedding widths, largest first "
+                       "(e.g. 384,256,128,64: each a prefix of the embedding, normalised "
+                       "again; one replay for all); final/ records them, and "
+                       "SentenceTransformer(path, truncate_dim=128) uses one (default: off)",
+    "matryoshka_weights": "Matryoshka: one weight per width of --matryoshka-dims (default: "
+                          "all 1)",
+    "extra_negatives": "qq, dd or qq,dd: add the other queries (qq) and the positive's "
+                       "similarities to the other documents (dd) to each query's softmax "
+                       "denominator, as Qwen3-Embedding trains (default: none)",
+    "grad_cache_tokens": "padded tokens per GradCache chunk at most: a chunk holds as many "
+                         "texts as fit (longest first), so mixed short and long texts keep "
+                         "one chunk's memory bounded; --grad-cache-chunk still caps the rows "
+                         "(default: off, rows only)",
     "lora_dropout": "dropout on the LoRA adapter's input",
     "max_length": "tokens per text at most (cut to the model's positions when it has fewer)",
     "gradient_checkpointing": "recompute activations in the backward pass (less memory)",
@@ -103,8 +129,32 @@ _HELP = {
     "pooling": "mean, cls, last (one vector per text), or multivector (one per token, "
                "ColBERT / PyLate: MaxSim loss and retrieval)",
     "multivector_dim": "multivector: width of the token vectors (a linear projection)",
+    "deepspeed": "a DeepSpeed JSON configuration: train under ZeRO stage 1 or 2, the chunks' "
+                 "gradients reduced once per step (no optimizer, scheduler, fp16 or bf16 "
+                 "section: bigbatch sets them; see docs/guides/deepspeed-and-reporting.md) "
+                 "(default: none, plain torch)",
+    "report_to": "where metrics go besides metrics.jsonl: comma-separated tensorboard, wandb "
+                 "(offline with WANDB_MODE=offline), or none (default: tensorboard, when the "
+                 "tensorboard package is installed)",
+    "push_to_hub": "upload final/ (with its model card README.md) to this Hugging Face Hub "
+                   "repository (namespace/name) at the end of the run (default: none)",
     "query_length": "multivector: pad queries with mask tokens to this many tokens and cut "
                     "them there (ColBERT's query augmentation; 0: off)",
+    "guide_model": "guided false-negative filtering (GISTEmbed): a frozen guide model folder, "
+                   "or 'self' for the model's own starting weights; it embeds each batch once "
+                   "and a negative it scores above the positive is left out of the loss "
+                   "(default: none)",
+    "guide_margin": "with --guide-model: mask a negative whose guide similarity exceeds the "
+                    "positive's minus this (absolute) or times 1 - this (relative); larger "
+                    "masks more",
+    "guide_margin_type": "with --guide-model: absolute or relative",
+    "distill": "add a distillation term against the records' teacher scores (pos_score, "
+               "neg_scores): kl (student vs teacher softmax over the positive and its hard "
+               "negatives) or margin-mse (default: none)",
+    "distill_weight": "with --distill: loss = InfoNCE + this x distillation",
+    "teacher_temperature": "with --distill kl: temperature of the teacher softmax (default: "
+                           "--temperature, right for a bi-encoder's cosine scores; use 1 for "
+                           "cross-encoder logits)",
 }
 
 
@@ -120,9 +170,15 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         help_ = _HELP.get(f.name, "")
         typ = str(f.type)
-        if typ == "bool":
+        if f.name in ("train_data", "eval_data"):  # repeatable, each a path or a comma list
+            p.add_argument(flag, action="extend", default=argparse.SUPPRESS, help=help_,
+                           type=lambda s: [v.strip() for v in s.split(",") if v.strip()])
+        elif typ == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help=f"{help_} (default {'on' if f.default else 'off'})".strip())
+        elif "list[int]" in typ or "list[float]" in typ:
+            p.add_argument(flag, type=_number_list(int if "list[int]" in typ else float, flag),
+                           default=argparse.SUPPRESS, help=help_)
         elif "list" in typ:
             p.add_argument(flag, type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
                            default=argparse.SUPPRESS, help=help_)
@@ -133,6 +189,19 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
             if "(default:" not in help_ and not help_.startswith("required"):
                 help_ = f"{help_} (default {default})" if help_ else f"(default {default})"
             p.add_argument(flag, type=conv, default=argparse.SUPPRESS, help=help_)
+
+
+def _number_list(kind: type, flag: str) -> Any:
+    """An argparse type: a comma-separated list of ``kind`` (int or float)."""
+    from .train.config import number_list
+
+    def parse(text: str) -> list:
+        try:
+            return number_list(text, kind, flag)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag}: ")) from None
+
+    return parse
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -232,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "only with at least this many negatives (default: --num-negatives)")
     mi.add_argument("--index", choices=("flat", "hnsw"), default="flat",
                     help="flat: exact inner product; hnsw: approximate, for large corpora")
+    mi.add_argument("--scores", action="store_true", help="also write the mining model's cosine "
+                    "similarities of each query with its positive and negatives (pos_score, "
+                    "neg_scores): teacher scores for `bigbatch train --distill`")
     _add_encoder_flags(mi)
 
     ev = sub.add_parser("eval", help="full-corpus retrieval metrics of one or more models",
@@ -245,7 +317,28 @@ def build_parser() -> argparse.ArgumentParser:
                     "train, when the data has qrels/train.tsv)")
     ev.add_argument("--output", default=None, help="write the results as JSON here "
                     "(default: printed only)")
+    ev.add_argument("--dims", type=_number_list(int, "--dims"), default=None,
+                    help="Matryoshka widths, e.g. 384,128: one row per width, each from the "
+                    "embeddings' first dims coordinates normalised again (the corpus is "
+                    "embedded once; default: the full embeddings only)")
+    ev.add_argument("--task", default=None, help="embed with the prompts a bigbatch model "
+                    "saved for this task (a training source's name; see "
+                    "docs/guides/multi-dataset.md) (default: the task named as the --data "
+                    "folder, when the model has one, else the model's own prompts)")
     _add_encoder_flags(ev)
+
+    mp = sub.add_parser("make-pairs", help="training pairs from a corpus alone: one field of "
+                        "each document as the query, another as the positive (title -> "
+                        "abstract)", formatter_class=_DefaultsFormatter)
+    mp.add_argument("corpus", help="a JSONL corpus (BEIR corpus.jsonl) or a BEIR directory")
+    mp.add_argument("output", help="the training file to write (.jsonl, .parquet)")
+    mp.add_argument("--query-field", default="title", help="the field that becomes the query")
+    mp.add_argument("--doc-field", default="text", help="the field that becomes the positive")
+    mp.add_argument("--id-field", default="_id", help="the field kept as the positive's id")
+    mp.add_argument("--max-pairs", type=int, default=None, help="write the first this many "
+                    "pairs (default: all)")
+    mp.add_argument("--to", dest="dst_format", choices=FORMATS, default="contrastors",
+                    help="the output's format")
 
     rp = sub.add_parser("render-pages", help="render a BEIR corpus to page images (a visual "
                         "document retrieval set: text queries, image documents)",
@@ -292,6 +385,21 @@ def _check_encoder_args(args: argparse.Namespace) -> str:
     if args.device is not None and (problem := device_problem(args.device)):
         raise ConfigError(f"--device: {problem} (got {args.device!r})")
     return _device(args.device)
+
+
+def _make_pairs(args: argparse.Namespace) -> int:
+    from .data.pairs import make_pairs
+    from .train.outdir import check_writable_file
+
+    _check_positive(args, ("max_pairs",))
+    check_writable_file(args.output, "make-pairs output", create_folders=False)
+    report = make_pairs(args.corpus, args.output, query_field=args.query_field,
+                        doc_field=args.doc_field, id_field=args.id_field,
+                        max_pairs=args.max_pairs, fmt=args.dst_format)
+    skipped = "".join(f"; skipped {n} ({why})" for why, n in sorted(report["skipped"].items()))
+    print(f"wrote {report['written']} pairs ({args.query_field} -> {args.doc_field}) to "
+          f"{args.output}{skipped}")
+    return 0
 
 
 def _render_pages(args: argparse.Namespace) -> int:
@@ -349,6 +457,8 @@ def _run(args: argparse.Namespace) -> int:
             return _mine(args)
         if args.command == "render-pages":
             return _render_pages(args)
+        if args.command == "make-pairs":
+            return _make_pairs(args)
         if args.command == "train":
             from .train import load_config, train
 
@@ -388,7 +498,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from .data.beir import require_split
     from .encoders import load_encoder
-    from .evaluate import evaluate_beir
+    from .evaluate import evaluate_beir, evaluate_beir_dims
 
     from .train.outdir import check_writable_file
 
@@ -398,14 +508,30 @@ def _eval(args: argparse.Namespace) -> int:
         require_split(args.data, args.unseen_from, "--unseen-from")
     unseen_from = "train" if args.unseen_from is None else args.unseen_from or None
     device = _check_encoder_args(args)
+    if args.dims is not None:
+        from .matryoshka import check_dims
+        check_dims(args.dims, what="--dims")
     results = []
     for path in args.model:
         encoder = load_encoder(path, **_encoder_overrides(args)).to(device)
-        metrics = evaluate_beir(encoder, args.data, args.split, batch_size=args.batch_size,
-                                device=device, unseen_from=unseen_from,
-                                cache_dir=_cache_dir(args))
-        results.append({"model": str(path), "data": str(args.data), "split": args.split,
-                        "metrics": metrics})
+        task = args.task if args.task is not None else Path(args.data).name
+        if args.task is not None and args.task not in encoder.tasks:
+            raise ConfigError(f"--task: {path} has no task {args.task!r} (it has: "
+                              f"{', '.join(sorted(encoder.tasks)) or 'none'})")
+        given = {s: _encoder_overrides(args)[a] for s, a in encoder.prompt_attrs.items()}
+        prompts = {s: v for s, v in encoder.task_prompts(task).items() if given[s] is None}
+        common = dict(batch_size=args.batch_size, device=device, unseen_from=unseen_from,
+                      cache_dir=_cache_dir(args))
+        with encoder.using_prompts(**prompts):  # a prefix given on the command line wins
+            if args.dims is None:
+                metrics = evaluate_beir(encoder, args.data, args.split, **common)
+                results.append({"model": str(path), "data": str(args.data),
+                                "split": args.split, "metrics": metrics})
+                continue
+            per_dim = evaluate_beir_dims(encoder, args.data, args.dims, args.split, **common)
+        results.extend({"model": f"{path} @{dim}", "dim": dim, "data": str(args.data),
+                        "split": args.split, "metrics": metrics}
+                       for dim, metrics in per_dim.items())
     print(format_eval_table(results))
     if args.output:
         with open(args.output, "w") as f:
@@ -508,7 +634,8 @@ def _mine(args: argparse.Namespace) -> int:
     ratio = args.max_score_ratio if args.max_score_ratio and args.max_score_ratio > 0 else None
     opts = MiningOptions(num_negatives=args.num_negatives, rank_start=start, rank_end=end,
                          max_score_ratio=ratio, margin=args.margin, index=args.index,
-                         batch_size=args.batch_size, min_negatives=args.min_negatives).validate()
+                         batch_size=args.batch_size, min_negatives=args.min_negatives,
+                         scores=args.scores).validate()
     device = _check_encoder_args(args)
     out = Path(args.output)
     check_writable_file(out, "--output")

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["retrieval_metrics", "evaluate_retrieval", "evaluate_scores", "evaluate_beir",
+           "evaluate_beir_dims", "evaluate_sets",
            "unseen_query_ids", "check_beir_split", "METRIC_NAMES", "LOWER_IS_BETTER"]
 
 METRIC_NAMES = ("ndcg@10", "recall@1", "recall@5", "recall@10", "mrr@10", "pos_sim", "neg_sim",
@@ -192,9 +193,11 @@ def check_beir_split(root: str | Path, split: str = "test",
 Scorer = Callable[[list[int]], Tensor]  # query positions -> (rows, documents) similarities
 
 
-def _dense_scorer(encoder: Any, corpus: Path, texts: list[str], batch_size: int, device: Any,
-                  cache_dir: Any, progress: bool) -> tuple[list[str], Scorer, int]:
-    """One vector per text: dot products with the corpus's embeddings (cached)."""
+def _dense_embeddings(encoder: Any, corpus: Path, texts: list[str], batch_size: int,
+                      device: Any, cache_dir: Any, progress: bool
+                      ) -> tuple[list[str], Tensor, Tensor, int]:
+    """One vector per text: the corpus's ids and embeddings (cached), the queries' and the
+    queries per block of scores."""
     from .data.corpus import embed_corpus
 
     doc_ids, doc_emb = embed_corpus(encoder, corpus, batch_size=batch_size, device=device,
@@ -204,6 +207,14 @@ def _dense_scorer(encoder: Any, corpus: Path, texts: list[str], batch_size: int,
     d = doc_emb.float()  # no copy for the float32 (memory-mapped) corpus embeddings
     # queries per block: 256, or fewer so that one block's scores stay within 2**24 (64 MiB)
     block = min(256, max(1, 2 ** 24 // max(1, len(doc_ids))))
+    return doc_ids, query_emb, d, block
+
+
+def _dense_scorer(encoder: Any, corpus: Path, texts: list[str], batch_size: int, device: Any,
+                  cache_dir: Any, progress: bool) -> tuple[list[str], Scorer, int]:
+    """One vector per text: dot products with the corpus's embeddings (cached)."""
+    doc_ids, query_emb, d, block = _dense_embeddings(encoder, corpus, texts, batch_size, device,
+                                                     cache_dir, progress)
     return doc_ids, lambda rows: query_emb[rows].float() @ d.T, block
 
 
@@ -248,16 +259,62 @@ def evaluate_beir(encoder: Any, root: str | Path, split: str = "test", batch_siz
     query's token count (so pos_sim and neg_sim stay in [-1, 1]; the ranking is MaxSim's):
     the documents' token vectors are stored once (float16, memory-mapped; in ``cache_dir``
     when given, else a temporary folder), see :mod:`bigbatch.data.token_store`."""
-    from .data.beir import check_corpus_ids, load_qrels, load_queries
-
     root = Path(root)
+    qrels, query_ids, texts = _split_queries(root, split)
+    scorer = _SCORERS[bool(getattr(encoder, "multi_vector", False))]
+    doc_ids, scores, block = scorer(encoder, root / "corpus.jsonl", texts, batch_size, device,
+                                    cache_dir, progress)
+    return _split_metrics(scores, root, split, qrels, query_ids, doc_ids, block, unseen_from)
+
+
+def evaluate_beir_dims(encoder: Any, root: str | Path, dims: Sequence[int], split: str = "test",
+                       batch_size: int = 64, device: torch.device | str | None = None,
+                       unseen_from: str | None = "train", cache_dir: str | Path | None = None,
+                       progress: bool = True) -> dict[int, dict[str, float]]:
+    """:func:`evaluate_beir` at each Matryoshka width of ``dims``: the corpus and the queries
+    are embedded once, then each width's metrics come from the embeddings' first ``dim``
+    coordinates, L2-normalised again (as ``SentenceTransformer(..., truncate_dim=dim)``
+    with cosine similarity ranks). Returns ``{dim: metrics}``.
+
+    Raises:
+        ConfigError: a multi-vector encoder, or a width larger than the embeddings'.
+    """
+    from .errors import ConfigError
+
+    if getattr(encoder, "multi_vector", False):
+        raise ConfigError("--dims applies to one vector per text; this model is multi-vector")
+    root = Path(root)
+    qrels, query_ids, texts = _split_queries(root, split)
+    width = encoder.encode(texts[:1], side="query", device=device).shape[1]  # before the corpus
+    too_wide = [m for m in dims if m > width]
+    if too_wide:
+        raise ConfigError(f"--dims: {too_wide} larger than the model's embedding width {width}")
+    doc_ids, query_emb, d, block = _dense_embeddings(encoder, root / "corpus.jsonl", texts,
+                                                     batch_size, device, cache_dir, progress)
+    out = {}
+    for m in dims:
+        q_m = torch.nn.functional.normalize(query_emb[:, :m].float(), dim=-1)
+        d_m = torch.nn.functional.normalize(d[:, :m], dim=-1)
+        out[m] = _split_metrics(lambda rows: q_m[rows] @ d_m.T, root, split, qrels, query_ids,
+                                doc_ids, block, unseen_from)
+    return out
+
+
+def _split_queries(root: Path, split: str) -> tuple[dict, list[str], list[str]]:
+    """The split's qrels, its query ids and their texts."""
+    from .data.beir import load_qrels, load_queries
+
     qrels = load_qrels(root / "qrels" / f"{split}.tsv")
     queries = load_queries(root / "queries.jsonl", set(qrels))
     query_ids = list(queries)
-    scorer = _SCORERS[bool(getattr(encoder, "multi_vector", False))]
-    doc_ids, scores, block = scorer(encoder, root / "corpus.jsonl",
-                                    [queries[q] for q in query_ids], batch_size, device,
-                                    cache_dir, progress)
+    return qrels, query_ids, [queries[q] for q in query_ids]
+
+
+def _split_metrics(scores: Scorer, root: Path, split: str, qrels: dict, query_ids: list[str],
+                   doc_ids: list[str], block: int, unseen_from: str | None) -> dict[str, float]:
+    """The metrics of all the split's queries and, with ``unseen_from``, of its unseen ones."""
+    from .data.beir import check_corpus_ids
+
     check_corpus_ids(doc_ids, root / "corpus.jsonl")  # a repeated id: recall above 1
     _check_qrels_in_corpus(qrels, set(doc_ids), split, root / "corpus.jsonl")
     out = evaluate_scores(scores, query_ids, doc_ids, qrels, block=block)
@@ -269,4 +326,39 @@ def evaluate_beir(encoder: Any, root: str | Path, split: str = "test", batch_siz
                                   [query_ids[i] for i in idx], doc_ids,
                                   {q: qrels[q] for q in unseen}, block=block)
             out.update({f"unseen/{k}": v for k, v in sub.items()})
+    return out
+
+
+def evaluate_sets(encoder: Any, sets: Sequence[Any], split: str = "test", batch_size: int = 64,
+                  device: torch.device | str | None = None, unseen_from: str | None = "train",
+                  cache_dir: str | Path | None = None,
+                  progress: bool = True) -> dict[str, float]:
+    """:func:`evaluate_beir` on each evaluation set (anything with ``path`` and ``name``,
+    such as :class:`~bigbatch.data.mix.SourceSpec`), each embedded with the prompts of the
+    encoder's task of the same name (``encoder.tasks``; else its own prompts).
+
+    One set: its metrics as they are. Several: each set's metrics prefixed by its name
+    (``scifact/ndcg@10``) and, unprefixed, the mean over the sets of every metric they all
+    report (what ``--best-metric`` selects ``best/`` by).
+
+    Example::
+
+        metrics = evaluate_sets(encoder, [SourceSpec("data/scifact", "scifact"),
+                                          SourceSpec("data/nfcorpus", "nfcorpus")])
+        metrics["ndcg@10"]  # the mean of the two
+    """
+    results = []
+    for s in sets:
+        with encoder.using_prompts(**encoder.task_prompts(s.name)):
+            results.append(evaluate_beir(encoder, s.path, split, batch_size=batch_size,
+                                         device=device, unseen_from=unseen_from,
+                                         cache_dir=cache_dir, progress=progress))
+    if len(results) == 1:
+        return results[0]
+    out: dict[str, float] = {}
+    common = set.intersection(*(set(r) for r in results))
+    for key in [k for k in results[0] if k in common]:
+        out[key] = sum(r[key] for r in results) / len(results)
+    for s, r in zip(sets, results):
+        out.update({f"{s.name}/{k}": v for k, v in r.items()})
     return out

@@ -9,6 +9,9 @@ A loss that takes one embedding per token (:class:`bigbatch.TokenEmbeddings`) fo
 its arguments names them in a ``token_inputs`` attribute (e.g. ``("query", "doc")``, as
 :class:`bigbatch.MaxSimInfoNCE` does); the towers of those arguments must return token
 embeddings, every other tower a ``(rows, dim)`` tensor.
+
+A loss that wraps another (:class:`bigbatch.Matryoshka`) names it in a ``wrapped_loss``
+attribute: its keyword arguments are the wrapped loss's.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class LossArguments:
 
     def __init__(self, loss_fn: Callable[..., Any], towers: Iterable[str]) -> None:
         self.towers = list(towers)
-        self.names, self.var_kw = _keywords(loss_fn)
+        self.names, self.var_kw = _keywords(_innermost(loss_fn))
         self.token_inputs = frozenset(getattr(loss_fn, "token_inputs", ()))
         if not self.var_kw:
             missing = [n for n in self.towers if n not in self.names]
@@ -62,6 +65,13 @@ class LossArguments:
                                  f"{self.towers} nor arguments of the loss "
                                  f"{sorted(self.names - set(self.towers))}")
         return loss_kwargs
+
+
+def _innermost(loss_fn: Callable) -> Callable:
+    """The loss whose signature says what a (possibly wrapping) loss accepts."""
+    while getattr(loss_fn, "wrapped_loss", None) is not None:
+        loss_fn = loss_fn.wrapped_loss
+    return loss_fn
 
 
 def _keywords(loss_fn: Callable) -> tuple[set[str], bool]:

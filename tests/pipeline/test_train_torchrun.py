@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pipeline_helpers import scifact_slice, tiny_bert
 
 COMMON = ["--max-steps", "3", "--warmup-steps", "1", "--grad-cache-chunk", "3", "--lora-r", "0",
@@ -85,3 +87,28 @@ def test_other_ranks_wait_for_the_main_rank_beyond_the_collective_timeout(tmp_pa
 
     per_rank = spawn_and_collect(_wait_worker, tmp_path / "r.json")
     assert [r["slow_main"]["got"] for r in per_rank] == [{"ndcg@10": 0.5}] * 2
+
+
+@pytest.mark.slow
+def test_a_mix_under_two_processes_matches_one_process(tmp_path):
+    """Several sources under torchrun (gloo): every step's global batch is one source on
+    both ranks, and the run follows the one-process run of the same global batch."""
+    tiny = tiny_bert(tmp_path / "tiny", dropout=0.0)
+    data = scifact_slice(tmp_path / "sf")
+    pairs = tmp_path / "titles.jsonl"
+    subprocess.run([sys.executable, "-m", "bigbatch.cli", "make-pairs", str(data), str(pairs),
+                    "--max-pairs", "48"], check=True, capture_output=True)
+    config = tmp_path / "mix.yaml"
+    config.write_text(f"train_data:\n  - {{path: {data}, name: scifact, weight: 1}}\n"
+                      f"  - {{path: {pairs}, name: titles, weight: 1, query_prefix: 'title: '}}\n")
+    common = ["--config", str(config), "--model", str(tiny), *COMMON, "--max-steps", "4"]
+    two, printed = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", "-m", "bigbatch.cli"],
+                       common + ["--batch-size", "8"], tmp_path / "two")
+    one, _ = run([sys.executable, "-m", "bigbatch.cli"], common + ["--batch-size", "16"],
+                 tmp_path / "one")
+    assert "global batch 16 (2 process(es) x 8)" in printed
+    assert [r["source"] for r in two] == [r["source"] for r in one]
+    assert {r["source"] for r in one} == {"scifact", "titles"}
+    for r2, r1 in zip(two, one):
+        assert abs(r2["loss"] - r1["loss"]) <= 1e-3 * abs(r1["loss"])

@@ -24,23 +24,28 @@ __all__ = ["EpochBatches", "Batch"]
 class Batch:
     """One local batch: queries, documents laid out [pos, neg_1..neg_k] per query, and each
     document's content key (text hash or image path) as its id, so a passage that is one
-    record's positive and another's negative carries the same id in both places."""
+    record's positive and another's negative carries the same id in both places.
+    ``teacher_scores``: with ``scores=True``, each query's row of teacher scores, its
+    positive's then its negatives' (the negatives sampled for the batch), for distillation."""
 
     queries: list[str]
     docs: list[str | ImageDoc]
     doc_ids: list[str]
     epoch: int
     index: int
+    teacher_scores: list[list[float]] | None = None
+    source: str = ""  # the training source's name (a mix: bigbatch.data.mix)
 
 
 class EpochBatches:
-    """Batches of ``batch_size`` records per rank, ``batch_size * world_size`` per step.
-    ``records``: any sequence of records (a list, or records read by index:
-    :mod:`bigbatch.data.record_store`)."""
+    """Batches of ``batch_size`` records per rank, ``batch_size * world_size`` per step; with
+    ``scores``, each batch carries the records' teacher scores (every record must have them:
+    :func:`bigbatch.data.records.check_teacher_scores`). ``records``: any sequence of
+    records (a list, or records read by index: :mod:`bigbatch.data.record_store`)."""
 
     def __init__(self, records: Sequence[TrainRecord], batch_size: int,
-                 num_hard_negatives: int = 0,
-                 seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+                 num_hard_negatives: int = 0, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, scores: bool = False) -> None:
         self.records = records
         self.batch_size = batch_size
         self.k = num_hard_negatives
@@ -48,6 +53,7 @@ class EpochBatches:
         self.rank = rank
         self.world_size = world_size
         self.global_batch = batch_size * world_size
+        self.scores = scores
         self._perm: tuple[int | None, torch.Tensor] = (None, torch.empty(0, dtype=torch.long))
 
     def __len__(self) -> int:
@@ -65,20 +71,25 @@ class EpochBatches:
     def batch(self, epoch: int, index: int) -> Batch:
         lo = index * self.global_batch + self.rank * self.batch_size
         queries, docs, ids = [], [], []
+        scores: list[list[float]] | None = [] if self.scores else None
         for i in self._order(epoch)[lo:lo + self.batch_size].tolist():
             r = self.records[i]
             queries.append(r.query)
             docs.append(r.positive)
             ids.append(r.positive_key)
+            picked: list[int] = []
             if self.k:
-                negs = r.negatives
-                if len(negs) > self.k:
-                    negs = random.Random(f"{self.seed}-{epoch}-{i}").sample(negs, self.k)
-                else:
-                    negs = negs[:self.k]
+                n = len(r.negatives)
+                # the same draw as sampling the negatives themselves: random.sample picks by
+                # position, whatever the population holds
+                picked = (random.Random(f"{self.seed}-{epoch}-{i}").sample(range(n), self.k)
+                          if n > self.k else list(range(min(n, self.k))))
+                negs = [r.negatives[j] for j in picked]
                 docs.extend(negs)
                 ids.extend(doc_key(t) for t in negs)
-        return Batch(queries, docs, ids, epoch, index)
+            if scores is not None:
+                scores.append([r.pos_score, *(r.neg_scores[j] for j in picked)])
+        return Batch(queries, docs, ids, epoch, index, scores)
 
     def iterate(self, start_epoch: int = 0, start_index: int = 0) -> Iterator[Batch]:
         """Batches from (start_epoch, start_index) on, forever (the caller stops)."""

@@ -18,6 +18,10 @@ filtering (NV-Retriever, Moreira et al. 2024).
    (default: all ``num_negatives``) is not written, and counted in the report, so the
    output trains with ``--num-hard-negatives num_negatives`` as it is.
 
+With ``scores``, each record also carries the mining model's cosine similarities of the
+query with its positive and with each negative (``pos_score``, ``neg_scores``, in the
+negatives' order), the teacher scores ``bigbatch train --distill`` learns from.
+
 Writes training records (contrastors text JSONL with ids) and a report of candidates seen,
 dropped as positives, dropped as copies of a positive, dropped as false negatives, and
 records left short.
@@ -52,6 +56,7 @@ class MiningOptions:
     index: str = "flat"
     batch_size: int = 64
     min_negatives: int | None = None
+    scores: bool = False  # write pos_score and neg_scores (the mining model's similarities)
 
     @property
     def required(self) -> int:
@@ -138,11 +143,11 @@ def _positive_copies(corpus_path: Path, positive_ids: set[str]) -> dict[str, str
 
 
 def _record(query: str, qid: str, pid: str, negs: list[str], docs: dict[str, Any],
-            folder: Path) -> dict[str, Any]:
+            folder: Path, scores: dict[str, float] | None = None) -> dict[str, Any]:
     """One output line: texts as ``positive``/``negatives``, page images as Qwen3-VL-Embedding's
     ``chunk_path``/``neg_chunk_paths`` (relative to the output's folder, as the reader
-    resolves them); ``negative_ids`` in the order the reader lists negatives (image paths,
-    then texts)."""
+    resolves them); ``negative_ids`` (and ``neg_scores``, with ``scores``: each document's
+    score by id) in the order the reader lists negatives (image paths, then texts)."""
     def path(doc: ImageDoc) -> str:
         return os.path.relpath(doc.path, folder)
 
@@ -156,6 +161,9 @@ def _record(query: str, qid: str, pid: str, negs: list[str], docs: dict[str, Any
     if text_ids or not image_ids:
         rec["negatives"] = [docs[d] for d in text_ids]
     rec.update({"query_id": qid, "positive_id": pid, "negative_ids": image_ids + text_ids})
+    if scores is not None:
+        rec["pos_score"] = scores[pid]
+        rec["neg_scores"] = [scores[d] for d in image_ids + text_ids]
     return rec
 
 
@@ -184,7 +192,8 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
     for d, k in copies.items():
         holding.setdefault(k, []).append(d)
     report = MiningReport(queries=len(qids), options=asdict(options))
-    chosen: list[tuple[str, str, list[str]]] = []  # (query id, positive id, negative ids)
+    # (query id, positive id, negative ids, each one's score: the positive's and the negatives')
+    chosen: list[tuple[str, str, list[str], dict[str, float]]] = []
     n_docs = len(doc_ids)
     bar = progress_bar(total=len(qids), desc="mine", unit="query") if progress else None
     for qi, qid in enumerate(qids):
@@ -213,13 +222,14 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
             if pid not in row:
                 continue
             pos_score = float(q_emb[qi] @ doc_emb[row[pid]])
-            negs = []
+            negs, scored = [], {pid: pos_score}
             for d, s in window:
                 report.candidates_seen += 1
                 if _too_close(s, pos_score, options):
                     report.dropped_as_false_negative += 1
                     continue
                 negs.append(d)
+                scored[d] = s
                 if len(negs) == options.num_negatives:
                     break
             if len(negs) < options.required:
@@ -227,18 +237,19 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
                 continue
             if len(negs) < options.num_negatives:
                 report.short_records += 1
-            chosen.append((qid, pid, negs))
+            chosen.append((qid, pid, negs, scored))
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     docs = corpus_texts(root / "corpus.jsonl",
-                        {d for _, p, n in chosen for d in [p, *n]})  # texts or ImageDocs
+                        {d for _, p, n, _ in chosen for d in [p, *n]})  # texts or ImageDocs
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
-        for qid, pid, negs in chosen:
-            f.write(json.dumps(_record(queries[qid], qid, pid, negs, docs, out.parent),
+        for qid, pid, negs, scored in chosen:
+            f.write(json.dumps(_record(queries[qid], qid, pid, negs, docs, out.parent,
+                                       scored if options.scores else None),
                                ensure_ascii=False) + "\n")
             report.records += 1
             report.negatives_written += len(negs)

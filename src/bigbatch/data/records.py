@@ -29,7 +29,7 @@ from .types import (IMAGE_SUFFIXES, Doc, ImageDoc, Problem, Record, TrainRecord,
 __all__ = ["TrainRecord", "load_jsonl_records", "load_records", "resolve_doc", "resolve_record",
            "train_record", "raise_problems", "short_negatives_error",
            "beir_hard_negatives_error", "RecordSummary", "summarize", "check_instructions",
-           "document_file", "paths_outside"]
+           "check_teacher_scores", "document_file", "paths_outside"]
 
 
 _IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"BM", b"II*\x00", b"MM\x00*")
@@ -159,10 +159,13 @@ def train_record(r: Record, problems: list[Problem], data_root: str | Path | Non
     if positive is None or len(problems) > before:
         return None
     positive_id = r.positive.id or ""  # else its content key (TrainRecord decides)
+    scored = r.positive.score is not None and all(d.score is not None for d in r.negatives)
     return TrainRecord(query=r.query, positive=positive, negatives=negatives,
                        positive_id=positive_id, source=r.source, line=r.line,
                        query_id="" if r.query_id is None else str(r.query_id),
-                       query_system=r.query_system, doc_system=r.positive.system)
+                       query_system=r.query_system, doc_system=r.positive.system,
+                       pos_score=r.positive.score if scored else None,
+                       neg_scores=[d.score for d in r.negatives] if scored else None)
 
 
 def raise_problems(problems: list[Problem], count: int, path: str | Path) -> None:
@@ -239,6 +242,23 @@ def load_records(source: str | Path, split: str = "train", num_hard_negatives: i
         if short:
             raise short_negatives_error(short, len(short), num_hard_negatives, source)
     return records
+
+
+def check_teacher_scores(records: Sequence[TrainRecord], option: str = "--distill") -> None:
+    """Check that every record carries teacher scores (``pos_score`` and ``neg_scores``,
+    already checked against its negatives by the reader), as distillation needs.
+
+    Raises:
+        DataError: naming the records (file and line) without them.
+    """
+    missing = [r for r in records if r.pos_score is None or r.neg_scores is None]
+    if missing:
+        lines = ", ".join(str(r.line) for r in missing[:10])
+        raise DataError(f"{len(missing)} record(s) have no teacher scores (lines {lines}"
+                        f"{', ...' if len(missing) > 10 else ''}), which {option} needs: give "
+                        f"each record pos_score and neg_scores (one per negative), e.g. with "
+                        f"`bigbatch mine --scores`", path=missing[0].source, field="pos_score")
+
 
 
 @dataclass

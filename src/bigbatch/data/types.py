@@ -49,6 +49,9 @@ class Doc:
     # the document's system prompt (swift): None where the format has none, "" for a swift
     # conversation without a system message
     system: str | None = field(default=None, compare=False)
+    # a teacher's score of this document for the record's query (``pos_score`` /
+    # ``neg_scores``), for distillation; None where the data gives none
+    score: float | None = field(default=None, compare=False)
 
     @property
     def kind(self) -> str:
@@ -160,6 +163,10 @@ class TrainRecord:
     # messages): None where the format has none, "" for a conversation without one
     query_system: str | None = field(default=None, compare=False)
     doc_system: str | None = field(default=None, compare=False)
+    # a teacher's scores of the positive and of each negative (in order), for distillation;
+    # None where the data gives none
+    pos_score: float | None = field(default=None, compare=False)
+    neg_scores: list[float] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self.positive_key = doc_key(self.positive)

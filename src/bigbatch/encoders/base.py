@@ -18,6 +18,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -89,6 +90,12 @@ class EncoderBase(nn.Module, ABC):
     _allowed_missing: tuple[str, ...] = ()  # checkpoint keys the encoder never uses
     _doc_base: nn.Module | None = None
     _doc_base_name: str | None = None
+    # the attribute holding each side's prompt: a text prefix, or a vision-language system
+    # instruction (what --query-prefix / --query-instruction set)
+    prompt_attrs: ClassVar[dict[str, str]] = {"query": "query_prefix", "doc": "doc_prefix"}
+    # per-task prompts ({"scifact": {"query": ..., "doc": ...}}): saved with the model, so
+    # evaluation and the saved folder embed each task as training did
+    tasks: dict[str, dict[str, str]]
 
     # ------------------------------------------------------------------ contract
     @abstractmethod
@@ -130,6 +137,38 @@ class EncoderBase(nn.Module, ABC):
     def _save_extras(self, path: Path) -> None:
         """Write what :meth:`save` adds beside the weights and tokenizer in ``path``."""
 
+    # ------------------------------------------------------------------ prompts and tasks
+    def prompts(self) -> dict[str, str]:
+        """The prompts in effect: ``{"query": ..., "doc": ...}`` (prefixes of a text encoder,
+        system instructions of a vision-language one)."""
+        return {side: getattr(self, attr) for side, attr in self.prompt_attrs.items()}
+
+    @contextmanager
+    def using_prompts(self, query: str | None = None, doc: str | None = None) -> Iterator[None]:
+        """Embed with these prompts inside the ``with`` block (None: keep that side's), then
+        restore the encoder's own. Training wraps each step of a source in its prompts
+        (tokenization and, for raw inputs, every chunk's collation and replay), evaluation
+        each task in its own."""
+        saved = self.prompts()
+        try:
+            for side, value in (("query", query), ("doc", doc)):
+                if value is not None:
+                    self.check_prompt(self.prompt_attrs[side], value)
+                    setattr(self, self.prompt_attrs[side], value)
+            yield
+        finally:
+            for side, value in saved.items():
+                setattr(self, self.prompt_attrs[side], value)
+
+    def check_prompt(self, name: str, text: str) -> None:
+        """Refuse a prompt this encoder cannot use (``name``: the option that set it); any
+        text is a text encoder's prefix."""
+
+    def task_prompts(self, task: str | None) -> dict[str, str]:
+        """The prompts of ``task`` (one of :attr:`tasks`), else the encoder's own."""
+        own = self.prompts()
+        return {**own, **getattr(self, "tasks", {}).get(task or "", {})}
+
     # ------------------------------------------------------------------ identity and saving
     def cache_key(self) -> dict[str, Any]:
         """What identifies this encoder's embeddings (the corpus-embedding cache's key): its
@@ -151,6 +190,10 @@ class EncoderBase(nn.Module, ABC):
         self._save_extras(path)
         meta = {**self.settings(), "lora": self.is_lora and not merge_lora,
                 "base_model": self.base_model_name, **self.frozen_doc_meta()}
+        if getattr(self, "matryoshka_dims", None):  # the widths it was trained at
+            meta["matryoshka_dims"] = list(self.matryoshka_dims)
+        if getattr(self, "tasks", None):
+            meta["tasks"] = self.tasks
         (path / "bigbatch_encoder.json").write_text(json.dumps(meta, indent=2))
         return path
 

@@ -53,8 +53,10 @@ def st_settings(path: str | Path) -> dict[str, Any]:
                               f"one of mean, cls or last token")
         out["pooling"] = _ST_POOLING[modes[0]] if modes else "mean"
         if cfg.get("include_prompt") is False:
-            raise ConfigError(f"{pool}: include_prompt false (the prompt left out of pooling) "
-                              f"is not supported")
+            if out["pooling"] != "mean":
+                raise ConfigError(f"{pool}: include_prompt false (the prompt left out of "
+                                  f"pooling) is supported with mean pooling only")
+            out["exclude_prompt_from_pooling"] = True
     sbc = path / "sentence_bert_config.json"
     if sbc.exists():
         out["max_length"] = int(json.loads(sbc.read_text()).get("max_seq_length", 256))
@@ -83,6 +85,7 @@ def _load_vision_language(path: Path, meta: dict[str, Any], overrides: dict[str,
     else:
         enc = VisionLanguageEncoder(path, **settings)
     _restore_doc_tower(enc, meta)
+    enc.tasks = _tasks(meta, path / "bigbatch_encoder.json")
     return enc
 
 
@@ -179,16 +182,34 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
     if multi is not None:
         return _load_multivector(path, meta, {**multi, **given})
     settings = st_settings(path)
-    for key in ("pooling", "normalize", "max_length", "query_prefix", "doc_prefix"):
+    for key in ("pooling", "normalize", "max_length", "query_prefix", "doc_prefix",
+                "exclude_prompt_from_pooling"):
         if key in meta:
             settings[key] = meta[key]
     settings.update(given)
     if _is_adapter(path, meta):
         enc = _attach_adapter(TextEncoder(_adapter_base(path, meta), **settings), path)
-        _restore_doc_tower(enc, meta)
-        return enc
-    if not (path / "config.json").exists():
-        raise ConfigError(f"--model: {path} holds no transformers model (no config.json)")
-    enc = TextEncoder(path, **settings)
+    else:
+        if not (path / "config.json").exists():
+            raise ConfigError(f"--model: {path} holds no transformers model (no config.json)")
+        enc = TextEncoder(path, **settings)
     _restore_doc_tower(enc, meta)
+    enc.tasks = _tasks(meta, meta_file)
     return enc
+
+
+def _tasks(meta: dict[str, Any], where: Path) -> dict[str, dict[str, str]]:
+    """The per-task prompts a bigbatch folder records (``{"task": {"query": ..., "doc":
+    ...}}``), checked.
+
+    Raises:
+        ConfigError: ``tasks`` is not a mapping of task name to query/doc strings.
+    """
+    tasks = meta.get("tasks") or {}
+    ok = isinstance(tasks, dict) and all(
+        isinstance(v, dict) and all(k in ("query", "doc") and isinstance(x, str)
+                                    for k, x in v.items()) for v in tasks.values())
+    if not ok:
+        raise ConfigError(f"{where}: 'tasks' must map each task name to its 'query' and "
+                          f"'doc' prompts (strings)")
+    return tasks

@@ -84,6 +84,10 @@ class TextEncoder(EncoderBase):
         normalize: L2-normalise the embeddings.
         max_length: tokenizer truncation length (queries and documents).
         query_prefix, doc_prefix: text put before every query / document (instructions).
+        exclude_prompt_from_pooling: leave the prefix's tokens (and the tokens the tokenizer
+            puts before it, such as ``[CLS]``) out of mean pooling, as GritLM and INSTRUCTOR
+            do and as sentence-transformers' ``include_prompt: false`` does: the model still
+            attends to the instruction, but the embedding averages the text's tokens only.
         lora_r, lora_alpha, lora_dropout, lora_target_modules: LoRA through peft when
             ``lora_r > 0`` (targets default by architecture); else full fine-tuning.
         gradient_checkpointing: recompute activations in the backward pass; composes with
@@ -103,13 +107,20 @@ class TextEncoder(EncoderBase):
                  lora_r: int = 0, lora_alpha: int = 32, lora_dropout: float = 0.0,
                  lora_target_modules: Sequence[str] | None = None,
                  gradient_checkpointing: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None,
+                 exclude_prompt_from_pooling: bool = False) -> None:
         super().__init__()
         from transformers import AutoTokenizer
 
         check_model_source(model)
         if pooling not in POOLING_MODES:
             raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
+        if exclude_prompt_from_pooling and pooling != "mean":
+            raise ConfigError(f"--exclude-instruction-from-pooling applies to mean pooling; "
+                              f"with {pooling!r} pooling the embedding is one token's")
+        self.exclude_prompt_from_pooling = exclude_prompt_from_pooling
+        self.tasks = {}
+        self._prompt_lengths: dict[str, int] = {}
         if max_length <= 0:
             raise ConfigError(f"max_length must be > 0, got {max_length}")
         self.model_name = self.base_model_name = model_reference(model)
@@ -151,7 +162,10 @@ class TextEncoder(EncoderBase):
         for lo in range(0, max(len(texts), 1), block):
             enc = self.tokenizer([prefix + t for t in texts[lo:lo + block]], padding=True,
                                  truncation=True, max_length=length, return_tensors="pt")
-            parts.append({k: v for k, v in enc.items() if k in keys})
+            part = {k: v for k, v in enc.items() if k in keys}
+            if self.exclude_prompt_from_pooling:
+                part["pooling_mask"] = self.pooling_mask(part["attention_mask"], prefix)
+            parts.append(part)
             del enc  # drops the per-token records of this block
         if len(parts) == 1:
             return parts[0]
@@ -169,6 +183,39 @@ class TextEncoder(EncoderBase):
             out[k] = torch.cat(padded)
         return out
 
+    def prompt_length(self, prefix: str) -> int:
+        """Tokens a row starts with before its text: those the tokenizer puts first (such as
+        ``[CLS]``) and the prefix's, as sentence-transformers counts a prompt (the prompt
+        tokenized alone, less the special tokens it ends with)."""
+        if not prefix:
+            return 0
+        if prefix not in self._prompt_lengths:
+            enc = self.tokenizer(prefix, return_special_tokens_mask=True)
+            special = enc["special_tokens_mask"]
+            n = len(special)
+            while n and special[n - 1]:
+                n -= 1
+            self._prompt_lengths[prefix] = n
+        return self._prompt_lengths[prefix]
+
+    def pooling_mask(self, attention_mask: Tensor, prefix: str) -> Tensor:
+        """``attention_mask`` with each row's first :meth:`prompt_length` real tokens zeroed
+        (either padding side): the tokens mean pooling averages. A row that is all prompt
+        (its text cut away by the max length) keeps its last token."""
+        n = self.prompt_length(prefix)
+        if n == 0:
+            return attention_mask.clone()
+        real = attention_mask != 0
+        first = real.int().argmax(1, keepdim=True)
+        pos = torch.arange(attention_mask.shape[1], device=attention_mask.device)[None]
+        out = attention_mask.masked_fill((pos >= first) & (pos < first + n), 0)
+        empty = ~(out != 0).any(1)
+        if empty.any():
+            last = attention_mask.shape[1] - 1 - real.flip(1).int().argmax(1)
+            rows = empty.nonzero().squeeze(1)
+            out[rows, last[rows]] = attention_mask[rows, last[rows]]
+        return out
+
     def step_inputs(self, items: Sequence[str], side: str,
                     max_length: int | None = None) -> dict[str, Tensor]:
         """What GradCache is given for one tower: the tokenized batch."""
@@ -179,16 +226,21 @@ class TextEncoder(EncoderBase):
         return None  # tokenized dicts need no collation
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor,
-                token_type_ids: Tensor | None = None) -> Tensor:
-        return self._embed(self.model, input_ids, attention_mask, token_type_ids)
+                token_type_ids: Tensor | None = None,
+                pooling_mask: Tensor | None = None) -> Tensor:
+        return self._embed(self.model, input_ids, attention_mask, token_type_ids, pooling_mask)
 
     def _embed(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
-               token_type_ids: Tensor | None = None) -> Tensor:
+               token_type_ids: Tensor | None = None,
+               pooling_mask: Tensor | None = None) -> Tensor:
+        """``pooling_mask`` (from :meth:`tokenize` with ``exclude_prompt_from_pooling``):
+        the tokens pooled, where they differ from those attended to."""
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids
         hidden = model(**kwargs).last_hidden_state
-        emb = pool(hidden, attention_mask, self.pooling)
+        emb = pool(hidden, attention_mask if pooling_mask is None else pooling_mask,
+                   self.pooling)
         return nn.functional.normalize(emb, dim=-1) if self.normalize else emb
 
     def encode(self, texts: Sequence[str], side: str = "doc", batch_size: int = 64,
@@ -206,7 +258,8 @@ class TextEncoder(EncoderBase):
     def settings(self) -> dict[str, Any]:
         return {"pooling": self.pooling, "normalize": self.normalize,
                 "max_length": self.max_length, "query_prefix": self.query_prefix,
-                "doc_prefix": self.doc_prefix}
+                "doc_prefix": self.doc_prefix,
+                "exclude_prompt_from_pooling": self.exclude_prompt_from_pooling}
 
     def _save_extras(self, path: Path) -> None:
         """sentence-transformers' files, so that ``SentenceTransformer(path)`` loads the folder
@@ -231,11 +284,19 @@ class TextEncoder(EncoderBase):
             "pooling_mode_mean_sqrt_len_tokens": False,
             "pooling_mode_weightedmean_tokens": False,
             "pooling_mode_lasttoken": self.pooling == "last",
-            "include_prompt": True,
+            "include_prompt": not self.exclude_prompt_from_pooling,
         }, indent=2))
         (path / "sentence_bert_config.json").write_text(json.dumps(
             {"max_seq_length": self.max_length, "do_lower_case": False}, indent=2))
         prompts = {"query": self.query_prefix, "document": self.doc_prefix}
-        (path / "config_sentence_transformers.json").write_text(json.dumps({
-            "prompts": prompts, "default_prompt_name": None, "similarity_fn_name": "cosine",
-            "model_type": "SentenceTransformer"}, indent=2))
+        for task, p in sorted(self.tasks.items()):  # SentenceTransformer.encode(prompt_name=)
+            prompts[f"{task}_query"] = p.get("query", self.query_prefix)
+            prompts[f"{task}_document"] = p.get("doc", self.doc_prefix)
+        st_config = {"prompts": prompts, "default_prompt_name": None,
+                     "similarity_fn_name": "cosine", "model_type": "SentenceTransformer"}
+        if getattr(self, "matryoshka_dims", None):
+            # the widths trained (Matryoshka); SentenceTransformer(path, truncate_dim=d) picks
+            # one, while a "truncate_dim" key here would truncate every encode() by default
+            st_config["matryoshka_dims"] = list(self.matryoshka_dims)
+        (path / "config_sentence_transformers.json").write_text(json.dumps(st_config,
+                                                                           indent=2))

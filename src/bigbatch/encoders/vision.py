@@ -15,10 +15,10 @@ The multimodal rope state (``rope_deltas``, cached by the model after an image c
 reset before and after every call, and text-only calls get explicit position ids, so an
 image call never leaks into a text call.
 
-The encoder is a GradCache tower fed raw examples: :meth:`collate` turns a chunk of
-examples into model inputs, loading its images only then. An example is a string (text) or
-an image document: anything with a ``path`` attribute (the page image) and optionally a
-``text`` shown beside it, such as :class:`bigbatch.data.images.ImageDoc`.
+The encoder is a GradCache tower fed raw examples: :meth:`VisionLanguageEncoder.collate`
+turns a chunk of examples into model inputs, loading its images only then. An example is a
+string (text) or an image document: anything with a ``path`` attribute (the page image) and
+optionally a ``text`` shown beside it, such as :class:`bigbatch.data.images.ImageDoc`.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ class VisionLanguageEncoder(EncoderBase):
     """
 
     encoder_type = "vision-language"
+    prompt_attrs = {"query": "query_instruction", "doc": "doc_instruction"}
 
     def __init__(self, model: str | os.PathLike, *, query_instruction: str = QUERY_INSTRUCTION,
                  doc_instruction: str = DOC_INSTRUCTION, max_num_visual_tokens: int = 256,
@@ -126,6 +127,7 @@ class VisionLanguageEncoder(EncoderBase):
             raise ConfigError(f"max_length must be > 0, got {max_length}")
         self.query_instruction = query_instruction
         self.doc_instruction = doc_instruction
+        self.tasks = {}
         self.max_num_visual_tokens = max_num_visual_tokens
         self.min_num_visual_tokens = min_num_visual_tokens
         self.max_length = max_length
@@ -146,11 +148,7 @@ class VisionLanguageEncoder(EncoderBase):
         self._template_cache: dict[str, tuple[list[int], list[int]]] = {}
         for name, text in (("query_instruction", query_instruction),
                            ("doc_instruction", doc_instruction)):
-            bad = [t for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>",
-                               "<|video_pad|>") if t in text]
-            if bad:
-                raise ConfigError(f"{name} contains the vision token(s) {bad}: the prompt "
-                                  f"places image tokens itself")
+            self.check_prompt(name, text)
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
         if freeze_vision:
             self._vision().requires_grad_(False)
@@ -159,6 +157,18 @@ class VisionLanguageEncoder(EncoderBase):
             self._apply_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules)
         if gradient_checkpointing:
             self._enable_gradient_checkpointing()
+
+    def check_prompt(self, name: str, text: str) -> None:
+        """Refuse an instruction holding a vision token: the prompt places those itself.
+
+        Raises:
+            ConfigError: naming ``name`` and the tokens.
+        """
+        bad = [t for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>",
+                           "<|video_pad|>") if t in text]
+        if bad:
+            raise ConfigError(f"{name} contains the vision token(s) {bad}: the prompt "
+                              f"places image tokens itself")
 
     def _special_id(self, config: Any, attr: str, token: str) -> int:
         value = getattr(config, attr, None)

@@ -13,11 +13,12 @@ from .. import distributed as D
 from ..cache import GradCache
 from ..errors import ConfigError
 from ..losses import CorpusInfoNCE, InfoNCE
+from ..matryoshka import Matryoshka, check_dims
 from ..maxsim import MaxSimInfoNCE
 from .config import TrainConfig, model_positions
 
 __all__ = ["DTYPES", "device_for", "build_encoder", "build_loss", "build_optimizer",
-           "build_cache"]
+           "build_cache", "build_deepspeed", "embedding_width", "check_matryoshka_width"]
 
 # --dtype: the autocast dtype of the encoder (None: float32, no autocast)
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,6 +67,8 @@ def build_encoder(config: TrainConfig, records: Sequence, lora_r: int) -> Any:
             raise ConfigError(f"{image[0]}:{image[1]}: the training data has image "
                               f"documents, but --model {config.model} is a text model; use a "
                               f"Qwen2-VL / Qwen2.5-VL / Qwen3-VL model")
+        extra = {"exclude_prompt_from_pooling": True} \
+            if config.exclude_instruction_from_pooling else {}
         common = dict(max_length=config.max_length, query_prefix=config.query_prefix,
                       doc_prefix=config.doc_prefix, lora_r=lora_r, lora_alpha=config.lora_alpha,
                       lora_dropout=config.lora_dropout,
@@ -74,12 +77,16 @@ def build_encoder(config: TrainConfig, records: Sequence, lora_r: int) -> Any:
         if config.pooling == "multivector":
             enc = _multivector_encoder(config, common)
         else:
-            enc = TextEncoder(config.model, pooling=config.pooling, **common)
+            enc = TextEncoder(config.model, pooling=config.pooling, **common, **extra)
         _check_max_length(config, enc.model.config)
         return enc
     if config.pooling == "multivector":
         raise ConfigError(f"--pooling multivector is for text models; {config.model} is a "
                           f"vision-language model")
+    if config.exclude_instruction_from_pooling:
+        raise ConfigError(f"--exclude-instruction-from-pooling: {config.model} is a "
+                          f"vision-language model, pooled by its last token (never an "
+                          f"instruction token); leave the option out")
     from ..encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
 
     return VisionLanguageEncoder(
@@ -105,22 +112,60 @@ def _multivector_encoder(config: TrainConfig, common: dict[str, Any]) -> Any:
 
 
 def build_loss(config: TrainConfig, corpus: Any, device: torch.device) -> torch.nn.Module:
-    """InfoNCE over the batch's documents, or with ``corpus`` (a
+    """InfoNCE over the batch's documents (with ``--extra-negatives``), or with ``corpus`` (a
     :class:`~bigbatch.train.corpus.FixedCorpus`) CorpusInfoNCE over its embeddings; with
     ``--pooling multivector``, MaxSimInfoNCE (scores divided by the query's token count, so
-    the temperature means what it means for one vector per text)."""
+    the temperature means what it means for one vector per text). With
+    ``--matryoshka-dims``, the loss wrapped in :class:`~bigbatch.Matryoshka`."""
+    loss = _base_loss(config, corpus).to(device)
+    if config.matryoshka_dims:
+        loss = Matryoshka(loss, dims=config.matryoshka_dims, weights=config.matryoshka_weights)
+    return loss
+
+
+def _base_loss(config: TrainConfig, corpus: Any) -> torch.nn.Module:
     learnable = not config.fixed_temperature
     if config.pooling == "multivector":
         return MaxSimInfoNCE(temperature=config.temperature, learnable_temperature=learnable,
                              symmetric=config.symmetric, normalize_query=True,
-                             block_size=config.loss_block_size or None).to(device)
+                             block_size=config.loss_block_size or None)
     # --loss-block-size: unset is automatic (bounded blocks), 0 the dense loss
     blocks = {"block_size": config.loss_block_size or None, "dense": config.loss_block_size == 0}
     if corpus is not None:
         return CorpusInfoNCE(corpus.emb, temperature=config.temperature,
-                             learnable_temperature=learnable, **blocks).to(device)
+                             learnable_temperature=learnable, **blocks)
     return InfoNCE(temperature=config.temperature, learnable_temperature=learnable,
-                   symmetric=config.symmetric, **blocks).to(device)
+                   symmetric=config.symmetric, extra_negatives=config.extra_negatives, **blocks,
+                   guide_margin=config.guide_margin,
+                   guide_margin_type=config.guide_margin_type, distill=config.distill,
+                   distill_weight=config.distill_weight,
+                   teacher_temperature=config.teacher_temperature)
+
+
+def embedding_width(config: TrainConfig, encoder: Any) -> int | None:
+    """The width of the encoder's embeddings (``--multivector-dim`` for token vectors, else
+    the model's hidden size), or None when its configuration does not say."""
+    if config.pooling == "multivector":
+        return config.multivector_dim
+    cfg = getattr(getattr(encoder, "model", None), "config", None)
+    width = getattr(cfg, "hidden_size", None)
+    if width is None:  # a vision-language model: its text model's width
+        width = getattr(getattr(cfg, "text_config", None), "hidden_size", None)
+    return width if isinstance(width, int) else None
+
+
+def check_matryoshka_width(config: TrainConfig, encoder: Any) -> None:
+    """``--matryoshka-dims`` against the model's embedding width, before any step; the
+    encoder records the dims, so every saved model carries them.
+
+    Raises:
+        ConfigError: a dimension larger than the width.
+    """
+    if not config.matryoshka_dims:
+        return
+    check_dims(config.matryoshka_dims, config.matryoshka_weights,
+               width=embedding_width(config, encoder), what="--matryoshka-dims")
+    encoder.matryoshka_dims = list(config.matryoshka_dims)
 
 
 def build_optimizer(config: TrainConfig, model_params: list[torch.nn.Parameter],
@@ -134,11 +179,32 @@ def build_optimizer(config: TrainConfig, model_params: list[torch.nn.Parameter],
     return torch.optim.AdamW(groups, lr=config.lr)
 
 
+def build_deepspeed(config: TrainConfig, encoder: torch.nn.Module,
+                    model_params: list[torch.nn.Parameter], max_steps: int,
+                    world_size: int) -> Any:
+    """``--deepspeed``: the DeepSpeed engine over the encoder, with AdamW over the model's
+    trainable parameters and its warmup and schedule (stepped by ``engine.step()``); the
+    temperature stays with the run's own optimizer (see
+    :mod:`bigbatch.integrations.deepspeed`)."""
+    from ..integrations.deepspeed import initialize, read_config
+    from .schedule import make_scheduler
+
+    ds_config = read_config(config.deepspeed, batch_size=config.batch_size,
+                            max_grad_norm=config.max_grad_norm, world_size=world_size)
+    optimizer = torch.optim.AdamW([{"params": model_params,
+                                    "weight_decay": config.weight_decay}], lr=config.lr)
+    scheduler = make_scheduler(optimizer, config.scheduler, config.warmup_steps, max_steps)
+    return initialize(encoder, optimizer, ds_config, lr_scheduler=scheduler)
+
+
 def build_cache(config: TrainConfig, encoder: Any, loss_fn: torch.nn.Module, corpus: Any,
-                scaler: Any, device: torch.device) -> tuple[GradCache, int, int]:
+                scaler: Any, device: torch.device, engine: Any = None
+                ) -> tuple[GradCache, int, int]:
     """The GradCache engine over the encoder's towers, and the (document, query) chunk
     sizes it uses. Query-side tuning embeds documents with the frozen document tower, or
     with ``corpus`` takes no document tower at all; its direct backward is one query chunk.
+    With a DeepSpeed ``engine`` both towers call it, and DeepSpeed reduces the model's
+    gradients (:func:`bigbatch.integrations.deepspeed.deepspeed_cache`).
     """
     query_side = config.mode == "query-side-tune"
     chunk = config.grad_cache_chunk
@@ -153,7 +219,21 @@ def build_cache(config: TrainConfig, encoder: Any, loss_fn: torch.nn.Module, cor
     collate = encoder.collate_fns()
     if collate is not None:
         collate = {name: collate[name] for name in towers}
-    cache = GradCache(towers, loss_fn, chunk_size=chunks, collate_fn=collate,
-                      autocast_dtype=DTYPES[config.dtype], scaler=scaler, device=device,
-                      sort_by_length=True, cross_device=corpus is None)
-    return cache, chunk, q_chunk
+    tokens = None  # --grad-cache-tokens: token budgets of the tokenized towers
+    if config.grad_cache_tokens:
+        if collate is not None:
+            raise ConfigError("--grad-cache-tokens needs text models, whose batches are "
+                              "tokenized before they are cut into chunks; a vision-language "
+                              "model's pages are collated chunk by chunk: use "
+                              "--grad-cache-chunk there")
+        direct = query_side and config.query_side_backward == "direct"  # one query chunk
+        tokens = {name: config.grad_cache_tokens for name in towers
+                  if not (direct and name == "query")}
+    options = dict(collate_fn=collate, autocast_dtype=DTYPES[config.dtype], scaler=scaler,
+                   device=device, sort_by_length=True, cross_device=corpus is None,
+                   chunk_tokens=tokens)
+    if engine is not None:
+        from ..integrations.deepspeed import deepspeed_cache
+        return deepspeed_cache(engine, loss_fn, chunks, towers=list(towers), **options), \
+            chunk, q_chunk
+    return GradCache(towers, loss_fn, chunk_size=chunks, **options), chunk, q_chunk

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["TrainConfig", "load_config", "DTYPES", "device_problem"]
+__all__ = ["TrainConfig", "load_config", "DTYPES", "device_problem", "number_list"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_LOGIT_SCALE = 100.0  # the learnable temperature is clamped to [1 / this, 1] (LogitScale)
@@ -35,9 +35,12 @@ class TrainConfig:
     training pipeline (``train_contrastors.py``)."""
 
     model: str = ""
-    train_data: str = ""
+    # one source (a path), or several: a comma list, or (YAML) a list of paths and mappings
+    # (bigbatch.data.mix.SOURCE_KEYS); likewise --eval-data (path and name)
+    train_data: str | list = ""
     train_split: str = "train"
-    eval_data: str | None = None
+    eval_data: str | list | None = None
+    mix_temperature: float = 1.0
     eval_split: str = "test"
     output_dir: str = "runs/bigbatch"
     batch_size: int = 4
@@ -54,6 +57,10 @@ class TrainConfig:
     fixed_temperature: bool = False
     symmetric: bool = False
     loss_block_size: int | None = None
+    matryoshka_dims: list[int] | None = None
+    matryoshka_weights: list[float] | None = None
+    extra_negatives: list[str] | None = None
+    grad_cache_tokens: int | None = None
     num_hard_negatives: int = 0
     lora_r: int = 32
     lora_alpha: int = 32
@@ -67,6 +74,7 @@ class TrainConfig:
     query_max_length: int | None = None
     query_prefix: str = ""
     doc_prefix: str = ""
+    exclude_instruction_from_pooling: bool = False
     gradient_checkpointing: bool = False
     encoder: str = "auto"
     query_instruction: str | None = None
@@ -92,6 +100,15 @@ class TrainConfig:
     log_steps: int = 1
     dist_timeout: float = 1800.0
     data_root: str | None = None  # files the data names must resolve inside this folder
+    guide_model: str | None = None  # GISTEmbed guide: a model folder, or "self"
+    guide_margin: float = 0.0
+    guide_margin_type: str = "absolute"
+    distill: str | None = None  # "kl" or "margin-mse" against the records' teacher scores
+    distill_weight: float = 1.0
+    teacher_temperature: float | None = None
+    deepspeed: str | None = None  # a DeepSpeed JSON configuration (ZeRO stage 1 or 2)
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    push_to_hub: str | None = None  # a Hugging Face Hub repository for final/ and its card
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def validate(self) -> "TrainConfig":
@@ -111,6 +128,7 @@ class TrainConfig:
             raise ConfigError("--train-data is required: a training file (JSONL in the "
                               "contrastors, swift or st layout, or st Parquet) or a BEIR "
                               "directory")
+        self._validate_sources()
         for name in ("batch_size", "grad_cache_chunk", "max_length", "eval_batch_size",
                      "log_steps"):
             if getattr(self, name) <= 0:
@@ -154,6 +172,8 @@ class TrainConfig:
         if self.pooling not in POOLINGS:
             raise bad("pooling", "must be 'mean', 'cls', 'last' or 'multivector'")
         self._validate_multivector(bad)
+        self._validate_objectives(bad)
+        self._validate_guide_and_distill(bad)
         if self.encoder not in ENCODERS:
             raise bad("encoder", f"must be one of {ENCODERS}")
         if self.mode not in MODES:
@@ -184,7 +204,106 @@ class TrainConfig:
         metric = self.best_metric.removeprefix("unseen/")
         if metric not in METRIC_NAMES:
             raise bad("best_metric", f"must be one of {METRIC_NAMES} (optionally 'unseen/...')")
+        self._validate_reporting(bad)
+        if self.deepspeed:
+            self._validate_deepspeed(bad)
         return self
+
+    def _validate_guide_and_distill(self, bad: Any) -> None:
+        """The options of guided filtering (``--guide-model``) and distillation
+        (``--distill``): InfoNCE over the batch's documents only."""
+        from ..distill import OBJECTIVES
+        from ..guided import MARGIN_TYPES
+
+        if self.guide_margin_type not in MARGIN_TYPES:
+            raise bad("guide_margin_type", f"must be one of {MARGIN_TYPES}")
+        if self.distill is not None and self.distill not in OBJECTIVES:
+            raise bad("distill", f"must be one of {tuple(OBJECTIVES)}")
+        if self.distill_weight < 0:
+            raise bad("distill_weight", "must be >= 0")
+        if self.teacher_temperature is not None and not self.teacher_temperature > 0:
+            raise bad("teacher_temperature", "must be > 0 (leave it out to use --temperature)")
+        for name in ("guide_model", "distill"):
+            if getattr(self, name) is None:
+                continue
+            if self.pooling == "multivector" or self.doc_negatives == "corpus":
+                raise bad(name, "works with the single-vector InfoNCE over the batch's "
+                                "documents: not with --pooling multivector or --doc-negatives "
+                                "corpus")
+        if self.guide_model is not None and self.extra_negatives:
+            raise bad("guide_model", "cannot be combined with --extra-negatives yet (the guide "
+                                     "would have to score the qq/dd columns too): use one")
+        if self.distill is not None and self.num_hard_negatives < 1:
+            raise bad("distill", "compares each positive with its hard negatives: give "
+                                 "--num-hard-negatives 1 or more (and records with "
+                                 "pos_score and neg_scores)")
+        if self.guide_model not in (None, "self") and not Path(self.guide_model).exists():
+            raise bad("guide_model", "must be 'self' (the model's starting weights) or an "
+                                     "existing model folder")
+
+    def _validate_reporting(self, bad: Any) -> None:
+        """``--report-to`` names known reporters (``none`` alone), ``--push-to-hub`` a
+        repository id ``namespace/name`` or ``name``."""
+        from .logging import REPORTERS, check_reporters
+
+        unknown = [r for r in self.report_to if r not in (*REPORTERS, "none")]
+        if unknown:
+            raise bad("report_to", f"unknown {unknown}; choose from "
+                                   f"{', '.join((*REPORTERS, 'none'))}")
+        if "none" in self.report_to and len(self.report_to) > 1:
+            raise bad("report_to", "'none' cannot be combined with other reporters")
+        check_reporters(self.report_to)
+        if self.push_to_hub is not None:
+            parts = self.push_to_hub.split("/")
+            if not 1 <= len(parts) <= 2 or not all(parts) or any(" " in x for x in parts):
+                raise bad("push_to_hub", "must be a Hub repository id: name or namespace/name")
+
+    def _validate_deepspeed(self, bad: Any) -> None:
+        """``--deepspeed``: the JSON file is read and checked now (before any data loads),
+        and the options it cannot run with are refused."""
+        from ..integrations.deepspeed import read_config
+
+        read_config(self.deepspeed, batch_size=self.batch_size,
+                    max_grad_norm=self.max_grad_norm,
+                    world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        if self.mode != "standard":
+            raise bad("mode", "--deepspeed trains both towers through one DeepSpeed engine: "
+                              "'standard' only")
+        if self.dtype == "float16":
+            raise bad("dtype", "float16 needs a loss scaler that --deepspeed does not run; use "
+                               "bfloat16")
+        if self.resume:
+            raise bad("resume", "resuming a --deepspeed run is not supported yet (its "
+                                "checkpoints hold the weights, not DeepSpeed's optimizer "
+                                "partitions); start from a checkpoint's weights with --model")
+
+    def train_sources(self) -> list[Any]:
+        """The training sources ``--train-data`` names (:class:`~bigbatch.data.mix.SourceSpec`)."""
+        from ..data.mix import parse_sources
+
+        return parse_sources(self.train_data, "--train-data")
+
+    def eval_sets(self) -> list[Any]:
+        """The evaluation sets ``--eval-data`` names (each a path and a name)."""
+        from ..data.mix import EVAL_KEYS, parse_sources
+
+        return parse_sources(self.eval_data, "--eval-data", EVAL_KEYS)
+
+    def _validate_sources(self) -> None:
+        """The options of several training sources and evaluation sets."""
+        sources = self.train_sources()
+        self.eval_sets()
+        if not self.mix_temperature > 0:
+            raise ConfigError(f"--mix-temperature: must be > 0 (got {self.mix_temperature!r})")
+        if len(sources) > 1 and self.doc_negatives == "corpus":
+            raise ConfigError("--doc-negatives corpus trains against one corpus; give one "
+                              "--train-data source")
+        if self.exclude_instruction_from_pooling and self.pooling != "mean":
+            raise ConfigError(f"--exclude-instruction-from-pooling: applies to --pooling mean "
+                              f"(got {self.pooling!r}: the embedding is one token's)")
+        if self.doc_negatives == "corpus" and any(s.num_hard_negatives for s in sources):
+            raise ConfigError("--doc-negatives corpus already uses every document as a "
+                              "negative; set num_hard_negatives to 0")
 
     def _validate_multivector(self, bad: Any) -> None:
         """The options of ``--pooling multivector`` (late interaction, text models)."""
@@ -203,6 +322,30 @@ class TrainConfig:
         if self.query_length and self.query_max_length is not None:
             raise ConfigError("--query-max-length does not apply with --query-length (queries "
                               "are padded and cut to --query-length tokens)")
+
+    def _validate_objectives(self, bad: Any) -> None:
+        """Matryoshka widths, extra in-batch negatives and the token budget per chunk."""
+        from ..losses import extra_negatives_of
+        from ..matryoshka import check_dims
+
+        if self.matryoshka_dims is not None:
+            check_dims(self.matryoshka_dims, self.matryoshka_weights, what="--matryoshka-dims")
+        elif self.matryoshka_weights is not None:
+            raise bad("matryoshka_weights", "needs --matryoshka-dims (one weight per dimension)")
+        if self.extra_negatives:
+            try:
+                extra_negatives_of(self.extra_negatives)
+            except ConfigError as e:
+                raise ConfigError("--extra-negatives" + str(e).removeprefix("extra_negatives")) \
+                    from None
+            if self.pooling == "multivector":
+                raise bad("extra_negatives", "applies to one vector per text, not --pooling "
+                                             "multivector")
+            if self.doc_negatives == "corpus":
+                raise bad("extra_negatives", "needs the batch's documents (not --doc-negatives "
+                                             "corpus)")
+        if self.grad_cache_tokens is not None and self.grad_cache_tokens <= 0:
+            raise bad("grad_cache_tokens", "must be > 0 (padded tokens per chunk)")
 
     @property
     def full_finetune(self) -> bool:
@@ -258,6 +401,13 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         if "None" in typ:
             return None
         raise ConfigError(f"{source}: {name} must not be empty")
+    if "list[int]" in typ or "list[float]" in typ:
+        return number_list(value, int if "list[int]" in typ else float, f"{source}: {name}")
+    if name in _SOURCE_OPTIONS:  # a path, a comma list, or a list of paths and mappings
+        if isinstance(value, (str, list)):
+            return value
+        raise ConfigError(f"{source}: {name} must be a path or a list of sources, got "
+                          f"{value!r}")
     if "list" in typ:
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
@@ -284,6 +434,28 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     if isinstance(value, (str, int, float)):
         return str(value)
     raise ConfigError(f"{source}: {name} must be a string, got {value!r}")
+
+
+def number_list(value: Any, kind: type, what: str) -> list:
+    """A list of ``kind`` (int or float) from a list or a comma-separated string ("384,128").
+
+    Raises:
+        ConfigError: an entry that is not such a number, naming ``what``.
+    """
+    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) \
+        else value if isinstance(value, list) else None
+    if items is None:
+        raise ConfigError(f"{what} must be a list of numbers, e.g. 384,256,128, got {value!r}")
+    out = []
+    for v in items:
+        try:
+            if isinstance(v, bool) or (kind is int and isinstance(v, float)):
+                raise ValueError
+            out.append(kind(v))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{what}: {v!r} is not {'an integer' if kind is int else 'a number'}"
+                              f" (give a comma-separated list, e.g. 384,256,128)") from None
+    return out
 
 
 def _check_keys(keys: Any, source: str) -> None:
@@ -327,21 +499,46 @@ def _key_lines(text: str, source: str) -> dict[Any, int]:
     return out
 
 
-_PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume", "data_root")
+_PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume", "data_root",
+              "guide_model", "deepspeed")
+_SOURCE_OPTIONS = ("train_data", "eval_data")
 
 
 def _resolve_path(key: str, value: Any, base: Path) -> Any:
     """A path option made absolute: ``~`` is the home folder, a relative path is read from
     ``base`` (the YAML file's folder, or the working directory for a flag). A ``model`` that
     is no folder there stays as given: a hub name (``namespace/name``)."""
+    if key in _SOURCE_OPTIONS:
+        return _resolve_sources(value, base)
     if not isinstance(value, str) or not value:
         return value
     path = Path(value).expanduser()
     if not path.is_absolute():
-        if key == "model" and not (base / path).exists():
-            return value  # a hub name, or a missing folder check_model_source names
+        if key in ("model", "guide_model") and not (base / path).exists():
+            return value  # a hub name, a missing folder check_model_source names, "self"
         path = base.absolute() / path
     return os.path.normpath(path)
+
+
+def _resolve_sources(value: Any, base: Path) -> Any:
+    """``--train-data`` / ``--eval-data`` with every path made absolute: one path stays a
+    string; a comma list or a list becomes a list (a one-path list a string), each mapping's
+    ``path`` resolved."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()] if "," in value else value
+    if isinstance(value, str):
+        return _resolve_path("data", value, base) if value else value
+    if not isinstance(value, list):
+        return value
+    out = []
+    for entry in value:
+        if isinstance(entry, str):
+            out.append(_resolve_path("data", entry, base))
+        elif isinstance(entry, dict) and isinstance(entry.get("path"), str):
+            out.append({**entry, "path": _resolve_path("data", entry["path"], base)})
+        else:
+            out.append(entry)  # parse_sources names what is wrong with it
+    return out[0] if len(out) == 1 and isinstance(out[0], str) else out
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:

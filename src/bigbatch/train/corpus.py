@@ -56,7 +56,7 @@ class FixedCorpus:
             self.ids.append(did)
             items.append(doc)
 
-        root = Path(config.train_data)
+        root = Path(config.train_sources()[0].path)  # one source (config.validate)
         if root.is_dir() and detect_format(root) == "beir":  # not a datasets folder
             from ..data.beir import load_beir
 

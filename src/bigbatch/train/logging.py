@@ -1,5 +1,6 @@
-"""Run logs: ``metrics.jsonl`` (one JSON object per logged step or evaluation), TensorBoard
-event files when the ``tensorboard`` package is installed, the evaluation rows printed
+"""Run logs: ``metrics.jsonl`` (one JSON object per logged step or evaluation), the
+reporters ``--report-to`` names (:data:`REPORTERS`: TensorBoard event files when the
+``tensorboard`` package is installed, a Weights & Biases run), the evaluation rows printed
 during training (a table: a header, then one row per evaluation) and a PNG of the training
 loss and evaluation metrics at the end (matplotlib)."""
 
@@ -12,16 +13,20 @@ from typing import Any
 
 from .durable import fsync_dir, write_text_atomic
 
-__all__ = ["RunLogger", "plot_metrics", "truncate_metrics", "eval_columns", "format_eval_row"]
+__all__ = ["RunLogger", "plot_metrics", "truncate_metrics", "eval_columns", "format_eval_row",
+           "REPORTERS", "check_reporters"]
 
 # the metrics an evaluation row shows (those the evaluation has), then --best-metric's
 EVAL_SHOWN = ("ndcg@10", "recall@1", "recall@10", "mrr@10", "unseen/ndcg@10")
 
 
 def eval_columns(metrics: dict[str, float], best_metric: str) -> list[str]:
-    """The columns of the evaluation rows: :data:`EVAL_SHOWN` that ``metrics`` has, and
+    """The columns of the evaluation rows: :data:`EVAL_SHOWN` that ``metrics`` has (with
+    several evaluation sets, their means), each set's ``<name>/ndcg@10``, and
     ``best_metric`` (the one that selects ``best/``) when it is not among them."""
     columns = [k for k in EVAL_SHOWN if k in metrics]
+    columns += [k for k in metrics if k.endswith("/ndcg@10") and k.count("/") == 1
+                and k not in columns]
     if best_metric in metrics and best_metric not in columns:
         columns.append(best_metric)
     return columns
@@ -65,29 +70,105 @@ def truncate_metrics(path: str | Path, step: int) -> int:
     return dropped
 
 
+class _TensorBoard:
+    """TensorBoard event files in ``<output_dir>/tensorboard``; nothing when the
+    ``tensorboard`` package is missing (an optional extra). Rows after ``resume_step`` are
+    hidden (``purge_step``), as a resumed run logs them again."""
+
+    def __init__(self, out: Path, resume_step: int | None, name: str,
+                 settings: dict[str, Any]) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            self.writer = None
+            return
+        purge = resume_step + 1 if resume_step is not None else None
+        self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=purge)
+
+    def log(self, step: int, values: dict[str, float], kind: str) -> None:
+        if self.writer is not None:
+            for k, v in values.items():
+                self.writer.add_scalar(f"{kind}/{k}", v, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class _WandB:
+    """A Weights & Biases run (``wandb``, imported here) named after the output folder, in
+    the project ``$WANDB_PROJECT`` (default ``bigbatch``), files under the output folder;
+    ``WANDB_MODE=offline`` keeps it on this machine (``wandb sync`` uploads it later)."""
+
+    def __init__(self, out: Path, resume_step: int | None, name: str,
+                 settings: dict[str, Any]) -> None:
+        import os
+
+        import wandb
+
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "bigbatch"), name=name,
+                              dir=str(out), config=settings, reinit="finish_previous")
+
+    def log(self, step: int, values: dict[str, float], kind: str) -> None:
+        self.run.log({f"{kind}/{k}": v for k, v in values.items()}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+# --report-to: name -> (reporter, the package it needs, or None)
+REPORTERS: dict[str, tuple[type, str | None]] = {
+    "tensorboard": (_TensorBoard, None),  # optional: skipped when tensorboard is missing
+    "wandb": (_WandB, "wandb"),
+}
+
+
+def check_reporters(names: list[str]) -> None:
+    """Raise :class:`~bigbatch.errors.ConfigError` for a reporter whose package is missing
+    (before the run starts)."""
+    import importlib.util
+
+    from ..errors import ConfigError
+
+    for name in names:
+        package = REPORTERS.get(name, (None, None))[1]
+        if package and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"--report-to {name}: the {package!r} package is not installed "
+                              f"(pip install 'bigbatch[{name}]')")
+
+
 class RunLogger:
-    """Append-only metrics log for the main process.
+    """Append-only metrics log for the main process, and the reporters ``report_to`` names
+    (:data:`REPORTERS`; ``"none"`` or an empty list: ``metrics.jsonl`` alone).
 
     ``resume_step``: the step of the checkpoint a resumed run starts from. Rows logged after
     it (by the run that was killed, or by an abandoned timeline) are removed from
     ``metrics.jsonl`` and hidden from TensorBoard (``purge_step``), as they are logged again.
+    ``name`` and ``settings``: the run's name and options, for the reporters that show them.
     """
 
     def __init__(self, output_dir: str | Path, enabled: bool = True,
-                 resume_step: int | None = None) -> None:
+                 resume_step: int | None = None,
+                 report_to: tuple[str, ...] | list[str] = ("tensorboard",),
+                 name: str | None = None, settings: dict[str, Any] | None = None) -> None:
         self.dir = Path(output_dir)
         self.enabled = enabled
         self.path = self.dir / "metrics.jsonl"
-        self.tb = None
+        self.reporters: list[Any] = []
         if enabled:
             if resume_step is not None:
                 truncate_metrics(self.path, resume_step)
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                purge = resume_step + 1 if resume_step is not None else None
-                self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=purge)
-            except ImportError:  # tensorboard is an optional extra
-                self.tb = None
+            for r in report_to:
+                if r != "none":
+                    self.reporters.append(REPORTERS[r][0](self.dir, resume_step,
+                                                          name or self.dir.name,
+                                                          settings or {}))
+
+    @property
+    def tb(self) -> Any:
+        """The TensorBoard writer, or None."""
+        return next((r.writer for r in self.reporters if isinstance(r, _TensorBoard)), None)
 
     def log(self, step: int, values: dict[str, Any], kind: str = "train") -> None:
         """Append one row (``kind`` "train" or "eval") for ``step``."""
@@ -97,16 +178,15 @@ class RunLogger:
         rec.update({k: (float(v) if isinstance(v, (int, float)) else v) for k, v in values.items()})
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        if self.tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"{kind}/{k}", v, step)
-            self.tb.flush()
+        numbers = {k: v for k, v in values.items() if isinstance(v, (int, float))}
+        for reporter in self.reporters:
+            reporter.log(step, numbers, kind)
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer."""
-        if self.tb is not None:
-            self.tb.close()
+        """Flush and close the reporters (once)."""
+        reporters, self.reporters = self.reporters, []
+        for reporter in reporters:
+            reporter.close()
 
 
 def plot_metrics(metrics_path: str | Path, out_path: str | Path,

@@ -15,10 +15,9 @@ a run that fails before its first step removes the output folder it created.
 from __future__ import annotations
 
 import math
-import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +26,27 @@ import torch
 from .. import distributed as D
 from .._progress import progress_bar
 from ..errors import ConfigError
-from .build import (DTYPES, build_cache, build_encoder, build_loss, build_optimizer,
-                    device_for)
+from .build import (DTYPES, build_cache, build_deepspeed, build_encoder, build_loss,
+                    build_optimizer, check_matryoshka_width, device_for)
 from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run, latest_checkpoint,
                          load_checkpoint, recover_output_dir, rotate_checkpoints,
                          save_checkpoint, write_errors)
 from .config import TrainConfig
 from .corpus import FixedCorpus
+from .guide import Guide
 from .logging import RunLogger, eval_columns, format_eval_row, plot_metrics
 from .memory_check import check_fits, describe, estimate_run_step, free_memory
 from .outdir import check_output_dir, claim_output_dir, remove_created
-from .ranks import barrier, from_main, gather_rng_states, main_first
+from .ranks import barrier, from_main, gather_rng_states
 from .resume import check_resume_matches, check_resumed_data, check_resumed_step, resume_path
 from .runid import new_run_id, run_id_of
 from .schedule import make_scheduler
+from .sources import ChainedRecords, data_identity, load_sources, mix_state
 
 __all__ = ["train", "Trainer", "StepCallback", "RunInterrupted", "base_beats_best"]
+
+# the step values logged again under <value>/<source name> in a mix (one curve per source)
+_PER_SOURCE = ("loss", "accuracy", "margin", "pos_sim", "neg_sim", "hard_neg_sim")
 
 # called after each step's logging, evaluation and checkpoint with the step and (a copy of)
 # the training state; True ends the run there, as a kill would
@@ -101,7 +105,7 @@ def train(config: TrainConfig, on_step_end: StepCallback | None = None) -> dict[
         if (done := trainer.resume()) is not None:
             return done
         trainer.start()
-        for batch in trainer.batches.iterate(trainer.state["epoch"], trainer.state["index"]):
+        for batch in trainer.iterate():
             if trainer.state["step"] >= trainer.max_steps:
                 break
             trainer.step(batch)
@@ -127,7 +131,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ build
     def __init__(self, config: TrainConfig) -> None:
-        from ..data import EpochBatches
         from ..evaluate import LOWER_IS_BETTER, check_beir_split
 
         config.validate()
@@ -149,9 +152,19 @@ class Trainer:
         self.run_id: str = from_main(self._run_id(resume_run), info)
         self.steps_done = 0  # optimizer steps done by this process
         barrier(info)
-        self.records = self._open_records()
-        if config.eval_data:  # a bad evaluation set stops the run now, not after training
-            check_beir_split(config.eval_data, config.eval_split, config.best_metric)
+        # every source loaded and checked (a bad record names its source) before step 1
+        self.batches = load_sources(config, info.rank, info.world_size)
+        self.sources = self.batches.sources
+        self.source_by_name = {s.name: s for s in self.sources}
+        self.records = self.sources[0].records if len(self.sources) == 1 else \
+            ChainedRecords([s.records for s in self.sources])
+        if config.distill:  # every record needs its teacher scores, before any model loads
+            from ..data.records import check_teacher_scores
+            for src in self.sources:
+                check_teacher_scores(src.records)
+        self.eval_sets = config.eval_sets()
+        for eval_set in self.eval_sets:  # a bad evaluation set stops the run now, not after
+            check_beir_split(eval_set.path, config.eval_split, config.best_metric)
         if config.grad_cache_chunk > config.batch_size:
             config.grad_cache_chunk = config.batch_size
         self.lower_is_better = config.best_metric.removeprefix("unseen/") in LOWER_IS_BETTER
@@ -163,15 +176,19 @@ class Trainer:
         self.corpus = FixedCorpus(config, self.records, self.encoder, device, info) \
             if config.doc_negatives == "corpus" else None
         self.loss_fn = build_loss(config, self.corpus, device)
+        no_in_batch = [s.name for s in self.sources if not s.spec.in_batch_negatives]
+        if no_in_batch and not hasattr(self.loss_fn, "in_batch_negatives"):
+            raise ConfigError(f"--train-data source(s) {no_in_batch}: in_batch_negatives false "
+                              f"needs the InfoNCE loss (not {type(self.loss_fn).__name__})")
         self.model_params = self.encoder.trainable_parameters()
-        self.optimizer = build_optimizer(config, self.model_params, self.loss_fn)
+        # --deepspeed: DeepSpeed steps the model; this optimizer keeps the temperature alone
+        self.optimizer = build_optimizer(config, [] if config.deepspeed else self.model_params,
+                                         self.loss_fn)
         # clipped together each step
         self.all_params = self.model_params + list(self.loss_fn.parameters())
-        self.batches = EpochBatches(self.records, config.batch_size, config.num_hard_negatives,
-                                    config.seed, info.rank, info.world_size)
-        if len(self.batches) == 0:
-            raise ConfigError(f"{len(self.records)} training records are fewer than one global "
-                              f"batch ({self.batches.global_batch} = --batch-size x processes)")
+        self.guide = None
+        if config.guide_model:
+            self.guide = Guide(config, self.records, device, config.eval_batch_size)
         self.max_steps = config.max_steps
         if config.epochs:
             self.max_steps = math.ceil(config.epochs * len(self.batches))
@@ -179,28 +196,28 @@ class Trainer:
                                         self.max_steps)
         amp = DTYPES[config.dtype]
         self.scaler = torch.amp.GradScaler(device.type) if amp is torch.float16 else None
+        self.engine = build_deepspeed(config, self.encoder, self.model_params, self.max_steps,
+                                      info.world_size) if config.deepspeed else None
         self.cache, self.chunk, self.q_chunk = build_cache(config, self.encoder, self.loss_fn,
-                                                           self.corpus, self.scaler, device)
+                                                           self.corpus, self.scaler, device,
+                                                           self.engine)
+        train_data, num_records = data_identity(self.batches)
         self.state: dict[str, Any] = {
             "step": 0, "epoch": 0, "index": 0, "best": None, "best_step": None, "examples": 0,
-            "base_metrics": None, "num_records": len(self.records),
-            "train_data": os.path.realpath(config.train_data), "run_id": self.run_id}
+            "base_metrics": None, "num_records": num_records, "train_data": train_data,
+            "run_id": self.run_id, "sources": self.batches.start_positions(),
+            "mix": mix_state(self.batches)}
         self.logger: RunLogger | None = None
         self.bar: Any = None
         self.columns: list[str] | None = None  # of the evaluation rows printed
         self.last_metrics: dict[str, float] | None = None
         self.last_eval_step = -1
 
-    def _open_records(self) -> Sequence[Any]:
-        """The training records, read by index (:func:`~bigbatch.data.record_store.open_records`):
-        the main rank validates and indexes the data (once) while the others wait, then
-        every rank opens the index (:func:`~bigbatch.train.ranks.main_first`)."""
-        from ..data.record_store import open_records
-
-        config = self.config
-        return main_first(lambda: open_records(config.train_data, config.train_split,
-                                               config.num_hard_negatives, config.data_root),
-                          self.info)
+    def iterate(self) -> Any:
+        """The batches from the run's position on (each source's own, and the step that
+        decides which source comes next), forever; each carries its source's name."""
+        for _, batch in self.batches.iterate(self.state["step"], self.state["sources"]):
+            yield batch
 
     def _run_id(self, resume_run: str | None) -> str:
         """A resumed run keeps its id (for a checkpoint from before run ids, the id of the
@@ -217,7 +234,18 @@ class Trainer:
         from ..data.records import check_instructions
 
         encoder = build_encoder(self.config, self.records, self.lora_r).to(self.device)
-        check_instructions(self.records, encoder)  # the data's system prompts (swift) apply
+        check_matryoshka_width(self.config, encoder)  # and the saved models record the dims
+        for src in self.sources:  # each source's prompts, saved with the model as its task
+            src.prompts = src.spec.prompts(encoder.encoder_type)
+            if len(self.sources) == 1:  # one source: its prompts are the model's own
+                for side, value in src.prompts.items():
+                    if value is not None:
+                        setattr(encoder, encoder.prompt_attrs[side], value)
+                src.prompts = {}
+            with encoder.using_prompts(**src.prompts):
+                check_instructions(src.records, encoder)  # the data's system prompts apply
+                if len(self.sources) > 1:
+                    encoder.tasks[src.name] = encoder.prompts()
         encoder.train()
         if self.config.mode == "query-side-tune":
             encoder.use_base_doc_tower()  # documents: the frozen initial weights
@@ -242,10 +270,14 @@ class Trainer:
         self.state = load_checkpoint(ckpt, encoder=self.encoder, loss_fn=self.loss_fn,
                                      optimizer=self.optimizer, scheduler=self.scheduler,
                                      scaler=self.scaler, rank=info.rank)
-        check_resumed_data(ckpt, config, len(self.records), self.state)
+        train_data, num_records = data_identity(self.batches)
+        check_resumed_data(ckpt, train_data, num_records, self.state, mix_state(self.batches))
         check_resumed_step(ckpt, self.state["step"], self.max_steps)
-        self.state["num_records"] = len(self.records)
-        self.state["train_data"] = os.path.realpath(config.train_data)
+        self.state["num_records"], self.state["train_data"] = num_records, train_data
+        if "sources" not in self.state:  # a checkpoint from before mixes: one source
+            self.state["sources"] = {self.sources[0].name: [self.state["epoch"],
+                                                            self.state["index"]]}
+        self.state["mix"] = mix_state(self.batches)
         self.state["run_id"] = self.run_id
         self._claim()
         if info.is_main:  # later checkpoints of the timeline left behind would outrank ours
@@ -272,9 +304,13 @@ class Trainer:
         if not config.resume:
             self._claim()
         self.logger = RunLogger(self.out, enabled=info.is_main,  # a resume drops rows it redoes
-                                resume_step=self.state["step"] if config.resume else None)
-        self.step_memory = estimate_run_step(self.cache, self.encoder, self.records, config,
-                                             self.device, info.world_size, self.model_params)
+                                resume_step=self.state["step"] if config.resume else None,
+                                report_to=config.report_to, name=self.out.name,
+                                settings={**config.to_dict(), "run_id": self.run_id})
+        # (under DeepSpeed the probe's backward would go through the engine: not estimated)
+        self.step_memory = None if self.engine is not None else estimate_run_step(
+            self.cache, self.encoder, self.records, config, self.device, info.world_size,
+            self.model_params, k=max(s.batches.k for s in self.sources))
         if self.step_memory is not None:  # stop now, with the numbers, rather than at step 1
             check_fits(self.step_memory, free_memory(self.device), self.device)
         if info.is_main:
@@ -291,11 +327,15 @@ class Trainer:
         config, lora_r = self.config, self.lora_r
         n_train = sum(p.numel() for p in self.model_params)
         chunk, q_chunk = self.chunk, self.q_chunk
-        text = (f"bigbatch train: {len(self.records)} records, {len(self.batches)} steps/epoch, "
+        mix = "" if len(self.sources) == 1 else " (" + ", ".join(
+            f"{s.name}: {len(s.records)} x {w:.0%}" for s, w in zip(self.sources,
+                                                                    self.batches.weights)) + ")"
+        text = (f"bigbatch train: {len(self.records)} records{mix}, {len(self.batches)} "
+                f"steps/epoch, "
                 f"{self.max_steps} steps, global batch {self.batches.global_batch} "
                 f"({self.info.world_size} process(es) x {config.batch_size}), chunk "
                 f"{chunk}{f' (queries {q_chunk})' if q_chunk != chunk else ''}, "
-                f"k={config.num_hard_negatives}, "
+                f"k={'/'.join(str(s.batches.k) for s in self.sources)}, "
                 f"{'LoRA r=' + str(lora_r) if lora_r else 'full fine-tuning'} "
                 f"({n_train:,} trainable parameters), {self.encoder.encoder_type} encoder, "
                 f"device {self.device}")
@@ -311,14 +351,14 @@ class Trainer:
     def evaluate(self, step: int) -> dict[str, float] | None:
         """The main rank's retrieval metrics on ``--eval-data`` (logged and shown), the same
         on every rank; None without evaluation data."""
-        from ..evaluate import evaluate_beir
+        from ..evaluate import evaluate_sets
 
         config = self.config
-        if not config.eval_data:
+        if not self.eval_sets:
             return None
         metrics = None
         if self.info.is_main:
-            metrics = evaluate_beir(self.encoder, config.eval_data, config.eval_split,
+            metrics = evaluate_sets(self.encoder, self.eval_sets, config.eval_split,
                                     batch_size=config.eval_batch_size, device=self.device)
             self.logger.log(step, metrics, kind="eval")
             if self.columns is None:  # a header over the first row; each evaluation a row
@@ -349,7 +389,24 @@ class Trainer:
         if better:
             self.state["best"], self.state["best_step"] = value, step
             self.save(self.out / "best")
+            if self.info.is_main:  # its model card, in best/ and beside the weights
+                for folder in (self.out / "best" / "model", self.out / "best"):
+                    self._write_card(folder, kind="best", model_dir=self.out / "best" / "model")
         return better
+
+    def _write_card(self, folder: Path, kind: str = "final", model_dir: Path | None = None
+                    ) -> Path:
+        """The model card ``README.md`` of the weights saved in ``model_dir`` (default
+        ``folder``), written into ``folder`` with the run's figures so far."""
+        from .card import render_model_card
+        from .durable import write_text_atomic
+
+        state = {**self.state, "global_batch": self.batches.global_batch}
+        text = render_model_card(model_dir or folder, self.config, state,
+                                 self.out / "metrics.jsonl", kind=kind,
+                                 repo_id=self.config.push_to_hub if kind == "final" else None)
+        write_text_atomic(folder / "README.md", text)
+        return folder / "README.md"
 
     def _save_step(self, step: int) -> None:
         """Write ``checkpoint-<step>`` and drop the oldest beyond ``--save-total-limit``."""
@@ -383,21 +440,44 @@ class Trainer:
         schedule stepped; advances the state. Returns the values to log."""
         config, encoder, optimizer, scaler = self.config, self.encoder, self.optimizer, \
             self.scaler
-        q = encoder.step_inputs(batch.queries, "query", max_length=config.query_max_length)
+        source = self.source_by_name[batch.source]
+        if hasattr(self.loss_fn, "in_batch_negatives"):
+            self.loss_fn.in_batch_negatives = source.spec.in_batch_negatives
         t0 = time.time()
         optimizer.zero_grad(set_to_none=True)
-        if self.corpus is not None:
-            result = self.cache.step(query=q, **self.corpus.targets(batch, self.device))
-        else:
-            d = encoder.step_inputs(batch.docs, "doc")
-            result = self.cache.step(query=q, doc=d, doc_ids=batch.doc_ids)
+        step = self.cache.step
+        if self.engine is not None:  # the replays' gradients reduced once, by DeepSpeed
+            from ..integrations.deepspeed import deepspeed_step
+            step = lambda **inputs: deepspeed_step(self.engine, self.cache, **inputs)  # noqa: E731
+        # the source's prompts while its inputs are tokenized, or collated and replayed
+        with encoder.using_prompts(**source.prompts):
+            q = encoder.step_inputs(batch.queries, "query", max_length=config.query_max_length)
+            if self.corpus is not None:
+                result = step(query=q, **self.corpus.targets(batch, self.device))
+            else:
+                d = encoder.step_inputs(batch.docs, "doc")
+                extra: dict[str, Any] = {}
+                if self.guide is not None:  # embedded once, never replayed nor trained
+                    extra.update(self.guide.embed(batch.queries, batch.docs))
+                if batch.teacher_scores is not None:
+                    extra["teacher_scores"] = torch.tensor(batch.teacher_scores,
+                                                           dtype=torch.float64,
+                                                           device=self.device)
+                result = step(query=q, doc=d, doc_ids=batch.doc_ids, **extra)
         if scaler is not None:
             scaler.unscale_(optimizer)
-        if config.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.all_params, config.max_grad_norm)
+        if self.engine is not None:  # DeepSpeed clips, steps AdamW and the model's schedule
+            self.engine.step()
+            grad_norm = self.engine.get_global_grad_norm() or 0.0
+            clipped = list(self.loss_fn.parameters())  # the temperature, alone
         else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.all_params
-                                                       if p.grad is not None])
+            clipped = self.all_params
+        if config.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(clipped, config.max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in clipped if p.grad is not None])
+        if self.engine is None:
+            grad_norm = norm
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -408,13 +488,38 @@ class Trainer:
         self.loss_fn.clamp_()
         n = self.batches.global_batch
         self.state["step"] += 1
-        self.state["epoch"], self.state["index"] = batch.epoch, batch.index + 1
+        self.state["sources"][source.name] = [batch.epoch, batch.index + 1]
+        if len(self.sources) == 1:  # as checkpoints before mixes kept it
+            self.state["epoch"], self.state["index"] = batch.epoch, batch.index + 1
         self.state["examples"] += n
         values = result.to_dict()
-        values.update(lr=lr, grad_norm=float(grad_norm),
-                      epoch=batch.epoch + (batch.index + 1) / len(self.batches),
+        epoch = batch.epoch + (batch.index + 1) / len(source.batches) \
+            if len(self.sources) == 1 else self.state["step"] / len(self.batches)
+        values.update(lr=lr, grad_norm=float(grad_norm), epoch=epoch,
                       examples_per_s=n / max(time.time() - t0, 1e-9))
+        if len(self.sources) > 1:  # each source's curves: loss/<name>, accuracy/<name>, ...
+            values["source"] = source.name
+            for key in _PER_SOURCE:
+                if key in values:
+                    values[f"{key}/{source.name}"] = values[key]
         return values
+
+    def _push(self) -> dict[str, Any]:
+        """Upload ``final/`` (weights and card) to ``--push-to-hub``; a failed upload is
+        reported (the run's files are all written) with how to retry, not raised."""
+        from .hub import push_folder
+
+        repo, final = self.config.push_to_hub, self.out / "final"
+        try:
+            url = push_folder(final, repo, f"bigbatch train: {self.out.name}, step "
+                                           f"{self.state['step']} (run {self.run_id})")
+        except Exception as e:  # noqa: BLE001 - the network, a token, a name taken
+            print(f"bigbatch train: could not push {final} to the Hub repository {repo}: "
+                  f"{type(e).__name__}: {e}. The model is saved; upload it later with "
+                  f"`huggingface-cli upload {repo} {final}`", flush=True)
+            return {"repo": repo, "error": f"{type(e).__name__}: {e}"}
+        print(f"bigbatch train: pushed {final} to {url}", flush=True)
+        return {"repo": repo, "url": url}
 
     # ------------------------------------------------------------------ finish
     def stop(self) -> dict[str, Any]:
@@ -471,6 +576,7 @@ class Trainer:
             if self.consider_best(self.last_metrics, state["step"]):  # the final checkpoint
                 self.save(out / f"checkpoint-{state['step']:06d}")    # records it
         if info.is_main:
+            self._write_card(out / "final")  # with the final evaluation's figures
             if (out / "metrics.jsonl").exists():
                 plot_metrics(out / "metrics.jsonl", out / "training_curves.png",
                              eval_keys=tuple(dict.fromkeys(("ndcg@10", "recall@10", "mrr@10",
@@ -494,6 +600,8 @@ class Trainer:
             summary["base_beats_best"] = True
             if self.info.is_main:
                 print(f"bigbatch train: note: {note}", flush=True)
+        if self.config.push_to_hub and self.info.is_main:
+            summary["push_to_hub"] = self._push()
         if self.info.is_main:
             import json
             (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -12,6 +12,7 @@ drawn without the probe: resuming and the demo's figures are unchanged), and kee
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,16 +26,19 @@ __all__ = ["estimate_run_step", "free_memory", "check_fits", "describe"]
 MiB = 2 ** 20
 
 
-def estimate_run_step(cache: Any, encoder: Any, records: list, config: Any, device: torch.device,
-                      world_size: int, trainable: list[torch.nn.Parameter]) -> StepMemory | None:
+def estimate_run_step(cache: Any, encoder: Any, records: Sequence[Any], config: Any,
+                      device: torch.device, world_size: int,
+                      trainable: list[torch.nn.Parameter],
+                      k: int | None = None) -> StepMemory | None:
     """The estimated peak one step of this run adds, or None where the towers return token
     embeddings (multi-vector) or the run trains against a fixed corpus (query-side tuning's
-    corpus negatives), whose sizes this estimate does not model."""
+    corpus negatives), whose sizes this estimate does not model. ``k``: hard negatives per
+    query (default ``--num-hard-negatives``; in a mix, the largest source's)."""
     if config.pooling == "multivector" or config.doc_negatives == "corpus":
         return None
     local = config.batch_size  # per process
-    k = config.num_hard_negatives
-    docs = [r.positive for r in records[: cache.chunk_sizes["doc"]]]
+    k = config.num_hard_negatives if k is None else k
+    docs = [records[i].positive for i in range(min(cache.chunk_sizes["doc"], len(records)))]
     inputs = encoder.step_inputs(docs, "doc")
     chunks, _ = cache.split_inputs("doc", inputs, cache.chunk_sizes["doc"])
     probe = chunking.to_device(chunking.materialize(chunks[0]), cache.device or device)

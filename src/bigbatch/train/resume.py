@@ -4,7 +4,6 @@ decide which records each step reads, the number of processes, and the training 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -76,18 +75,24 @@ def check_resume_matches(ckpt: Path, config: TrainConfig, info: D.WorldInfo) -> 
                           f"{info.world_size}; resume with the same number of processes")
 
 
-def check_resumed_data(ckpt: Path, config: TrainConfig, num_records: int,
-                       state: dict[str, Any]) -> None:
-    """After loading: the checkpoint's state must name the same training file (resolved
-    path) and record count as this run.
+def check_resumed_data(ckpt: Path, train_data: Any, num_records: Any,
+                       state: dict[str, Any], mix: dict[str, Any] | None = None) -> None:
+    """After loading: the checkpoint's state must name the same training data (a resolved
+    path, or each source's name and path), record counts and mix (sources, weights, hard
+    negatives) as this run (:func:`~bigbatch.train.sources.data_identity`, ``mix_state``).
 
     Raises:
-        ConfigError: the training file or its record count changed.
+        ConfigError: the training data, its record counts or the mix changed.
     """
     saved_train_data, saved_num_records = state.get("train_data"), state.get("num_records")
-    if saved_train_data is not None and saved_train_data != os.path.realpath(config.train_data):
+    if saved_train_data is not None and saved_train_data != train_data:
         raise ConfigError(f"--resume: {ckpt} was trained on {saved_train_data}, this run reads "
-                          f"{os.path.realpath(config.train_data)}; resume with the same data")
+                          f"{train_data}; resume with the same data")
     if saved_num_records is not None and saved_num_records != num_records:
         raise ConfigError(f"--resume: {ckpt} was trained on {saved_num_records} records, "
-                          f"{config.train_data} now holds {num_records}; the data changed")
+                          f"{train_data} now holds {num_records}; the data changed")
+    saved_mix = state.get("mix")
+    if mix is not None and saved_mix is not None and saved_mix != mix:
+        raise ConfigError(f"--resume: {ckpt} was trained on the mix {saved_mix}, this run has "
+                          f"{mix}; the saved positions would name other batches. Resume with "
+                          f"the same sources, weights and hard negatives")

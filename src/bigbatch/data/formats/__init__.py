@@ -23,6 +23,11 @@ is detected, read and written:
 A folder of JSONL or Parquet shards (:mod:`bigbatch.data.shards`) is read as one source in
 the format of its first shard, each shard naming itself in messages.
 
+Teacher scores for distillation (a record's ``pos_score`` and ``neg_scores``, kept on each
+document as :attr:`~bigbatch.data.types.Doc.score`) are read and written by ``contrastors``,
+``swift`` (the same two keys) and ``st`` (columns ``pos_score``, ``neg_score_1..k``); each
+reader checks them against the record's negatives (:func:`.common.with_scores`).
+
 What a target format cannot hold (an image in ``st``, negatives in ``beir``) is never
 dropped silently: conversion stops with a report, or drops it and reports it when asked.
 """

@@ -31,6 +31,8 @@ def cannot_hold(r: Record) -> str | None:
     why = text_only("beir", r)
     if why is None and r.negatives:
         why = f"beir holds no negatives ({len(r.negatives)} here)"
+    if why is None and r.positive.score is not None:
+        why = "beir holds no teacher scores (pos_score)"
     return why
 
 

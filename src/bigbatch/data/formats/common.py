@@ -6,6 +6,7 @@ writing; JSONL lines with their problems and text fields come from
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -18,6 +19,7 @@ from ..types import Doc, Problem, Record
 # jsonl_rows and text_field are defined in bigbatch.data.jsonl (the BEIR reader shares them)
 # and stay importable from here
 __all__ = ["Format", "WriteOptions", "RowParser", "Stream", "jsonl_stream", "read_all", "ID_KEY",
+           "SCORE_KEYS", "with_scores", "add_scores",
            "jsonl_rows", "text_field", "with_ids",
            "add_ids", "write_jsonl", "text_only"]
 
@@ -113,6 +115,73 @@ def add_ids(rec: dict[str, Any], r: Record) -> None:
         rec["positive_id"] = r.positive.id
     if r.negatives and all(d.id is not None for d in r.negatives):
         rec["negative_ids"] = [d.id for d in r.negatives]
+
+
+SCORE_KEYS = ("pos_score", "neg_scores")
+"""The keys of a record's teacher scores in the JSONL formats (contrastors, swift): the
+positive's score, then a list with one score per negative, in the negatives' order."""
+
+
+def _score(v: Any, key: str, where: tuple[str, int], problems: list[Problem]) -> float | None:
+    """``v`` as a finite float (a number, or a number's text, as CSV holds it); else None
+    and a problem naming ``key``."""
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            pass
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        problems.append(Problem(where[0], where[1], key, f"a teacher score must be a number, "
+                                f"got {json.dumps(v, default=repr)}"))
+        return None
+    if not math.isfinite(v):
+        problems.append(Problem(where[0], where[1], key, f"{v} is not a finite number; a "
+                                f"teacher score must be one (fix or drop the record)"))
+        return None
+    return float(v)
+
+
+def with_scores(pos_value: Any, neg_values: Any, neg_fields: str | list[str], pos: Doc,
+                negs: list[Doc], written: int, where: tuple[str, int], problems: list[Problem],
+                pos_field: str = "pos_score") -> tuple[Doc, list[Doc]]:
+    """The documents with the teacher scores a record gives: ``pos_value`` (the positive's)
+    and ``neg_values`` (a list, one per negative as written: ``written`` of them). Both
+    absent (None): the documents as they are. ``neg_fields``: the key of the list (its
+    items are named ``key[i]``), or one name per value (columns). Each problem (one without
+    the other, a count that is not the negatives', a value that is not a finite number) is
+    added with file, line and field, and no score is kept."""
+    if pos_value is None and neg_values is None:
+        return pos, negs
+    list_key = neg_fields if isinstance(neg_fields, str) else "neg_scores"
+    if pos_value is None or neg_values is None:
+        missing, given = (pos_field, list_key) if pos_value is None else (list_key, pos_field)
+        problems.append(Problem(where[0], where[1], missing, f"missing, but {given} is given: "
+                                f"teacher scores need the positive's and one per negative"))
+        return pos, negs
+    if not isinstance(neg_values, list):
+        problems.append(Problem(where[0], where[1], list_key, "must be a list of numbers, one "
+                                "teacher score per negative"))
+        return pos, negs
+    if len(neg_values) != written:
+        problems.append(Problem(where[0], where[1], list_key, f"{len(neg_values)} teacher "
+                                f"score(s) for {written} negative(s); give one score per "
+                                f"negative, in the negatives' order"))
+        return pos, negs
+    names = [f"{neg_fields}[{i}]" for i in range(written)] if isinstance(neg_fields, str) \
+        else neg_fields
+    pos_score = _score(pos_value, pos_field, where, problems)
+    scores = [_score(v, k, where, problems) for v, k in zip(neg_values, names)]
+    if pos_score is None or None in scores or len(negs) != written:
+        return pos, negs
+    return (replace(pos, score=pos_score),
+            [replace(d, score=sc) for d, sc in zip(negs, scores)])
+
+
+def add_scores(rec: dict[str, Any], r: Record) -> None:
+    """The record's teacher scores as ``pos_score`` and ``neg_scores`` (when it has them)."""
+    if r.positive.score is not None and all(d.score is not None for d in r.negatives):
+        rec["pos_score"] = r.positive.score
+        rec["neg_scores"] = [d.score for d in r.negatives]
 
 
 def write_jsonl(out: Path, rows: Iterable[dict[str, Any]]) -> None:

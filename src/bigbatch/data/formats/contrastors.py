@@ -1,7 +1,8 @@
 """The ``contrastors`` format: Qwen3-VL-Embedding's training pipeline's JSONL. Documents as files,
 ``{"query", "chunk_path", "neg_chunk_paths"}`` (page images or text files), or as text,
 ``{"query", "positive", "negatives"}``; ids as ``query_id`` / ``positive_id`` /
-``negative_ids``. Detected for JSONL that neither swift nor st claims."""
+``negative_ids``; teacher scores (for distillation) as ``pos_score`` and ``neg_scores``.
+Detected for JSONL that neither swift nor st claims."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from ..types import Doc, Problem, Record, is_image_path
-from .common import (ID_KEY, Format, WriteOptions, add_ids, jsonl_stream, read_all, text_field,
-                     with_ids, write_jsonl)
+from .common import (ID_KEY, SCORE_KEYS, Format, WriteOptions, add_ids, add_scores,
+                     jsonl_stream, read_all, text_field, with_ids, with_scores, write_jsonl)
 
 __all__ = ["FORMAT", "CONTRASTORS_KEYS"]
 
 # the keys the contrastors reader reads
 CONTRASTORS_KEYS = {"query", "query_id", "positive", "positive_id", "chunk_path", "negatives",
-                    "neg_chunk_paths", "negative_ids"}
+                    "neg_chunk_paths", "negative_ids", *SCORE_KEYS}
 # a key the contrastors reader does not read but that looks like data: a document, several
 # positives, an instruction (sentence-transformers' negative_1, FlagEmbedding's pos / neg /
 # prompt, nomic's document, ...); metadata keys (source, score, ...) are left alone
@@ -75,6 +76,8 @@ def parse(rec: dict, path: Path, n: int, problems: list[Problem]) -> Record | No
         return None
     qid = rec.get("query_id")
     pos, negs = with_ids(rec, pos, negs)
+    pos, negs = with_scores(rec.get("pos_score"), rec.get("neg_scores"), "neg_scores",
+                            pos, negs, len(negs) + unread, w, problems)
     return Record(q, pos, negs, None if qid is None else str(qid), n, str(path),
                   unread_negatives=unread)
 
@@ -108,6 +111,7 @@ def to_json(r: Record) -> dict[str, Any]:
         rec["positive"] = r.positive.text
         rec["negatives"] = [d.text for d in r.negatives]
     add_ids(rec, r)
+    add_scores(rec, r)
     return rec
 
 

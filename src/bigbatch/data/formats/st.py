@@ -1,7 +1,9 @@
 """The ``st`` format: sentence-transformers columns ``anchor``, ``positive``,
 ``negative_1..k``, as JSONL (``.jsonl``), Parquet (``.parquet``), CSV with a header
 (``.csv``), or a folder written by ``datasets``' ``save_to_disk`` (a DatasetDict's
-``--split``); Parquet and Arrow are streamed a record batch at a time. Text only.
+``--split``); Parquet and Arrow are streamed a record batch at a time. Text only. Teacher
+scores (for distillation) are the columns ``pos_score`` and ``neg_score_1..k``, one per
+negative in the negatives' order.
 
 Without an ``anchor`` column the columns are read by position, as sentence-transformers'
 losses take them (``query, positive, negative``, ``question, answer``); a ``label`` or
@@ -24,13 +26,21 @@ from ..tables import is_hf_dataset, table_rows
 from ..types import Doc, Problem, Record
 from .colpali import is_colpali, not_converted_problem
 from .common import (ID_KEY, Format, WriteOptions, jsonl_rows, read_all, text_field,
-                     text_only, write_jsonl)
+                     text_only, with_scores, write_jsonl)
 from .contrastors import CONTRASTORS_KEYS
 
 __all__ = ["FORMAT"]
 
 _NEGATIVE = re.compile(r"negative(_\d+)?$")
 _LABELS = ("label", "score")
+_NEG_SCORE = re.compile(r"neg_score_(\d+)$")
+
+
+def _score_columns(rec: dict) -> list[str]:
+    """The teacher-score columns of a row: ``pos_score``, then ``neg_score_N`` by ``N``."""
+    negs = sorted((k for k in rec if _NEG_SCORE.match(k)),
+                  key=lambda k: int(_NEG_SCORE.match(k).group(1)))
+    return (["pos_score"] if "pos_score" in rec else []) + negs
 
 
 def detect_path(path: Path) -> bool:
@@ -83,7 +93,8 @@ def parse(rec: dict, path: Path, n: int, problems: list[Problem]) -> Record | No
     lost = [(k, f"a {k!r} column (bigbatch trains on (anchor, positive, negatives); "
                 f"labelled or scored pairs are not all positives)")
             for k in _LABELS if k in rec]
-    cols = [k for k in rec if k not in _LABELS]
+    score_cols = _score_columns(rec)
+    cols = [k for k in rec if k not in _LABELS and k not in score_cols]
     if "anchor" in rec:
         q = text_field(rec, "anchor", w, problems)
         p = text_field(rec, "positive", w, problems)
@@ -118,7 +129,12 @@ def parse(rec: dict, path: Path, n: int, problems: list[Problem]) -> Record | No
     if q is None or p is None:
         return None
     qkey, pkey = ("anchor", "positive") if "anchor" in rec else (cols[0], cols[1])
-    return Record(q, Doc(text=p, key=pkey), negs, None, n, str(path), lost,
+    pos = Doc(text=p, key=pkey)
+    if score_cols:
+        neg_cols = [k for k in score_cols if k != "pos_score"]
+        pos, negs = with_scores(rec.get("pos_score"), [rec[k] for k in neg_cols],
+                                neg_cols, pos, negs, len(neg_keys), w, problems)
+    return Record(q, pos, negs, None, n, str(path), lost,
                   unread_negatives=len(neg_keys) - len(negs), query_key=qkey)
 
 
@@ -161,22 +177,29 @@ def _write_parquet(records: list[Record], out: Path) -> None:
                              "positive": [r.positive.text for r in records]}
     for i in range(k):
         cols[f"negative_{i + 1}"] = [r.negatives[i].text for r in records]
+    if _all_scored(records, out):
+        cols["pos_score"] = [r.positive.score for r in records]
+        for i in range(k):
+            cols[f"neg_score_{i + 1}"] = [r.negatives[i].score for r in records]
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(cols), out)
 
 
 def _write_csv(records: list[Record], out: Path) -> None:
     k = max((len(r.negatives) for r in records), default=0)
+    scored = _all_scored(records, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["anchor", "positive", *(f"negative_{i + 1}" for i in range(k))])
+        w.writerow(["anchor", "positive", *(f"negative_{i + 1}" for i in range(k))]
+                   + (["pos_score", *(f"neg_score_{i + 1}" for i in range(k))] if scored else []))
         for r in records:
             if len(r.negatives) != k:
                 raise DataError("CSV columns need the same number of negatives in every "
                                 f"record ({r.source}:{r.line} has {len(r.negatives)}, "
                                 f"another {k})", path=str(out))
-            w.writerow([r.query, r.positive.text, *(d.text for d in r.negatives)])
+            w.writerow([r.query, r.positive.text, *(d.text for d in r.negatives)]
+                       + ([r.positive.score, *(d.score for d in r.negatives)] if scored else []))
 
 
 def write(records: list[Record], out: Path, options: WriteOptions) -> None:
@@ -191,8 +214,31 @@ def write(records: list[Record], out: Path, options: WriteOptions) -> None:
         _write_csv(records, out)
     else:
         write_jsonl(out, ({"anchor": r.query, "positive": r.positive.text,
-                           **{f"negative_{i + 1}": d.text for i, d in enumerate(r.negatives)}}
+                           **{f"negative_{i + 1}": d.text for i, d in enumerate(r.negatives)},
+                           **_score_fields(r)}
                           for r in records))
+
+
+def _score_fields(r: Record) -> dict[str, float]:
+    """A record's teacher scores as st columns (none when it has none)."""
+    if r.positive.score is None or any(d.score is None for d in r.negatives):
+        return {}
+    return {"pos_score": r.positive.score,
+            **{f"neg_score_{i + 1}": d.score for i, d in enumerate(r.negatives)}}
+
+
+def _all_scored(records: list[Record], out: Path) -> bool:
+    """Whether every record has teacher scores (a table's columns need all or none).
+
+    Raises:
+        DataError: some records have them and others not."""
+    scored = [bool(_score_fields(r)) for r in records]
+    if any(scored) and not all(scored):
+        first = next(r for r, s in zip(records, scored) if not s)
+        raise DataError(f"some records carry teacher scores and others not ({first.source}:"
+                        f"{first.line} has none); table columns need them in every record or "
+                        f"in none: write JSONL (.jsonl), or drop the scores", path=str(out))
+    return any(scored)
 
 
 FORMAT = Format("st", read, detect_path=detect_path, detect_keys=detect_keys, write=write,

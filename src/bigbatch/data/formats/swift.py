@@ -2,7 +2,8 @@
 query), ``positive_messages`` / ``negative_messages`` (one conversation per document, the
 user turn holding the text, or ``<image>`` and the text that goes with the image) with
 ``positive_images`` / ``negative_images``, and the ids as ``query_id`` / ``positive_id`` /
-``negative_ids``. Detected for JSONL whose first record has ``messages``.
+``negative_ids``, teacher scores (for distillation) as ``pos_score`` and ``neg_scores``.
+Detected for JSONL whose first record has ``messages``.
 
 A query image, several images in a document, text before ``<image>``, images without an
 ``<image>`` tag, video and audio, and conversations of more than one user turn (assistant
@@ -18,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..types import Doc, Problem, Record
-from .common import (Format, WriteOptions, add_ids, jsonl_stream, read_all, with_ids,
-                     write_jsonl)
+from .common import (Format, WriteOptions, add_ids, add_scores, jsonl_stream, read_all,
+                     with_ids, with_scores, write_jsonl)
 
 __all__ = ["FORMAT", "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION"]
 
@@ -157,6 +158,9 @@ def parse(rec: dict, path: Path, n: int, problems: list[Problem]) -> Record | No
     if query is None or pos is None:
         return None
     pos, negs = with_ids(rec, pos, negs)
+    written = len(neg_convs) if isinstance(neg_convs, list) else len(negs)
+    pos, negs = with_scores(rec.get("pos_score"), rec.get("neg_scores"), "neg_scores",
+                            pos, negs, written, w, problems)
     qid = rec.get("query_id")
     return Record(query, pos, negs, None if qid is None else str(qid), n, str(path),
                   lost, query_system, unread_negatives=unread, query_key="messages")
@@ -198,6 +202,7 @@ def to_json(r: Record, query_instruction: str, doc_instruction: str) -> dict[str
         rec["positive_images"] = [pi]
         rec["negative_images"] = [i for _, i in negs]
     add_ids(rec, r)
+    add_scores(rec, r)
     return rec
 
 
