@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# indexes of training records (and corpus embeddings) go to a folder of this session, not
+# to the user's ~/.cache/bigbatch
+if "BIGBATCH_CACHE" not in os.environ:
+    os.environ["BIGBATCH_CACHE"] = tempfile.mkdtemp(prefix="bigbatch-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["BIGBATCH_CACHE"], True)
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

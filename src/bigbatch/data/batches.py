@@ -10,7 +10,7 @@ its contiguous share of each global batch; incomplete global batches are dropped
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,11 +40,12 @@ class Batch:
 class EpochBatches:
     """Batches of ``batch_size`` records per rank, ``batch_size * world_size`` per step; with
     ``scores``, each batch carries the records' teacher scores (every record must have them:
-    :func:`bigbatch.data.records.check_teacher_scores`)."""
+    :func:`bigbatch.data.records.check_teacher_scores`). ``records``: any sequence of
+    records (a list, or records read by index: :mod:`bigbatch.data.record_store`)."""
 
-    def __init__(self, records: list[TrainRecord], batch_size: int, num_hard_negatives: int = 0,
-                 seed: int = 0, rank: int = 0, world_size: int = 1,
-                 scores: bool = False) -> None:
+    def __init__(self, records: Sequence[TrainRecord], batch_size: int,
+                 num_hard_negatives: int = 0, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, scores: bool = False) -> None:
         self.records = records
         self.batch_size = batch_size
         self.k = num_hard_negatives
@@ -53,18 +54,25 @@ class EpochBatches:
         self.world_size = world_size
         self.global_batch = batch_size * world_size
         self.scores = scores
+        self._perm: tuple[int | None, torch.Tensor] = (None, torch.empty(0, dtype=torch.long))
 
     def __len__(self) -> int:
         """Steps per epoch."""
         return len(self.records) // self.global_batch
 
+    def _order(self, epoch: int) -> torch.Tensor:
+        """Epoch ``epoch``'s permutation of the records, kept as a tensor for the epoch's
+        batches (never a Python list: 8 bytes a record, drawn once per epoch)."""
+        if self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = (epoch, torch.randperm(len(self.records), generator=g))
+        return self._perm[1]
+
     def batch(self, epoch: int, index: int) -> Batch:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        order = torch.randperm(len(self.records), generator=g).tolist()
         lo = index * self.global_batch + self.rank * self.batch_size
         queries, docs, ids = [], [], []
         scores: list[list[float]] | None = [] if self.scores else None
-        for i in order[lo:lo + self.batch_size]:
+        for i in self._order(epoch)[lo:lo + self.batch_size].tolist():
             r = self.records[i]
             queries.append(r.query)
             docs.append(r.positive)

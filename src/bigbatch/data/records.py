@@ -13,6 +13,8 @@ collected and reported with file, line and field before training starts.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError, DataError
@@ -25,7 +27,9 @@ from .types import (IMAGE_SUFFIXES, Doc, ImageDoc, Problem, Record, TrainRecord,
 
 # TrainRecord is defined in bigbatch.data.types and stays importable from here
 __all__ = ["TrainRecord", "load_jsonl_records", "load_records", "resolve_doc", "resolve_record",
-           "check_instructions", "check_teacher_scores", "document_file", "paths_outside"]
+           "train_record", "raise_problems", "short_negatives_error",
+           "beir_hard_negatives_error", "RecordSummary", "summarize", "check_instructions",
+           "check_teacher_scores", "document_file", "paths_outside"]
 
 
 _IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"BM", b"II*\x00", b"MM\x00*")
@@ -56,15 +60,16 @@ def paths_outside(records: list[Record], data_root: str | Path | None) -> list[P
 
 
 def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: list[Problem],
-                field: str | None = None,
-                data_root: str | Path | None = None) -> str | ImageDoc | None:
+                field: str | None = None, data_root: str | Path | None = None,
+                check_image_file: bool = True) -> str | ImageDoc | None:
     """A parsed document as training input: its text, the text of its file (UTF-8, a regular
     file of at most :data:`~bigbatch.data.files.MAX_TEXT_FILE_BYTES`), or an
     :class:`ImageDoc` for a readable image (relative paths resolve against ``base``; with
     ``data_root``, a file outside that folder is refused). Otherwise None, and a problem
     naming ``path:line`` and the document's field (its source key, else ``field``) is added
     to ``problems``. ``bigbatch validate`` and the training loader both check documents with
-    this function."""
+    this function; records read again after that check (by index, :mod:`.record_store`)
+    skip the image check (``check_image_file=False``: the image is opened when embedded)."""
     field = doc.key or field
     if doc.image is None and doc.text is not None:
         return doc.text
@@ -74,6 +79,8 @@ def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: lis
     if why is not None:
         problems.append(Problem(str(path), line, field, why))
         return None
+    if doc.image is not None and not check_image_file:
+        return ImageDoc(str(full.resolve()), doc.text or "")
     if doc.image is not None:
         why = check_image(full)
         if why is not None:
@@ -116,23 +123,26 @@ def _path_hint(ref: str, full: Path, base: Path) -> str:
     return ""
 
 
-def resolve_record(r: Record, problems: list[Problem], data_root: str | Path | None = None
+def resolve_record(r: Record, problems: list[Problem], data_root: str | Path | None = None,
+                   check_image_file: bool = True
                    ) -> tuple[str | ImageDoc | None, list[str | ImageDoc]]:
     """(positive, negatives) of a parsed record as training input. A document that cannot be
     used (the positive as None, a negative left out; a file outside ``data_root`` when
     given) is reported in ``problems``, as is a negative that is the positive itself
     (compared as training compares them: resolved image paths, file contents and texts), and
     whatever the reader found in the record that it cannot hold (``r.lost``). The record is
-    usable when nothing was reported."""
+    usable when nothing was reported. ``check_image_file``: as :func:`resolve_doc`."""
     for field, why in r.lost:
         problems.append(Problem(r.source, r.line, field, f"{why} cannot be represented; "
                                 f"`bigbatch convert --allow-lossy` drops such records"))
     base = source_folder(r) or Path(".")
-    positive = resolve_doc(r.positive, base, r.source, r.line, problems, "positive", data_root)
+    positive = resolve_doc(r.positive, base, r.source, r.line, problems, "positive", data_root,
+                           check_image_file)
     negatives: list[str | ImageDoc] = []
     for i, d in enumerate(r.negatives):
         field = d.key or f"negatives[{i}]"
-        neg = resolve_doc(d, base, r.source, r.line, problems, field, data_root)
+        neg = resolve_doc(d, base, r.source, r.line, problems, field, data_root,
+                          check_image_file)
         if neg is not None and neg == positive:
             problems.append(Problem(r.source, r.line, field, "a negative equals the positive"))
         elif neg is not None:
@@ -140,12 +150,47 @@ def resolve_record(r: Record, problems: list[Problem], data_root: str | Path | N
     return positive, negatives
 
 
+def train_record(r: Record, problems: list[Problem], data_root: str | Path | None = None,
+                 check_image_file: bool = True) -> TrainRecord | None:
+    """The training example of a parsed record (:func:`resolve_record`), or None when a
+    problem was found (added to ``problems``)."""
+    before = len(problems)
+    positive, negatives = resolve_record(r, problems, data_root, check_image_file)
+    if positive is None or len(problems) > before:
+        return None
+    positive_id = r.positive.id or ""  # else its content key (TrainRecord decides)
+    scored = r.positive.score is not None and all(d.score is not None for d in r.negatives)
+    return TrainRecord(query=r.query, positive=positive, negatives=negatives,
+                       positive_id=positive_id, source=r.source, line=r.line,
+                       query_id="" if r.query_id is None else str(r.query_id),
+                       query_system=r.query_system, doc_system=r.positive.system,
+                       pos_score=r.positive.score if scored else None,
+                       neg_scores=[d.score for d in r.negatives] if scored else None)
+
+
+def raise_problems(problems: list[Problem], count: int, path: str | Path) -> None:
+    """Stop with every problem found in training data (in file order, the first 20 shown,
+    with the total), or when it holds no record (``count``).
+
+    Raises:
+        DataError: naming file, line and field of each problem shown.
+    """
+    problems.sort(key=lambda p: p.line or 0)  # file order (stable within a line)
+    if problems:
+        shown = "\n  ".join(problem_lines(problems))
+        raise DataError(f"{len(problems)} problem(s) in the training data:\n  {shown}")
+    if not count:
+        raise DataError("no training records", path=str(path))
+
+
 def load_jsonl_records(path: str | Path, split: str = "train",
                        data_root: str | Path | None = None) -> list[TrainRecord]:
-    """Load and validate a file of training records in any file format of
-    :mod:`bigbatch.data.formats` (Qwen3-VL-Embedding's ``contrastors`` JSONL, ms-swift's ``swift``
-    JSONL, sentence-transformers ``st`` JSONL or Parquet; detected from the file), then read
-    or check each document file (only inside ``data_root``, when given).
+    """Load and validate a file (or a folder of shards, or a ``datasets`` folder) of
+    training records in any file format of :mod:`bigbatch.data.formats`
+    (Qwen3-VL-Embedding's ``contrastors`` JSONL, ms-swift's ``swift`` JSONL,
+    sentence-transformers ``st`` JSONL or Parquet; detected from the file), then read or
+    check each document file (only inside ``data_root``, when given). Every record is held
+    in memory: :func:`bigbatch.data.record_store.open_records` reads them by index instead.
 
     Raises:
         DataError: listing every problem (up to 20 shown, with the total) by file, line, field.
@@ -155,27 +200,26 @@ def load_jsonl_records(path: str | Path, split: str = "train",
         raise DataError("training data file not found", path=str(path))
     parsed, problems = read_records(path, format_of(path), split)
     problems.extend(instruction_problems(parsed))
-    records: list[TrainRecord] = []
-    for r in parsed:
-        positive, negatives = resolve_record(r, problems, data_root)
-        if positive is None or len(negatives) < len(r.negatives) or r.lost:
-            continue
-        positive_id = r.positive.id or ""  # else its content key (TrainRecord decides)
-        scored = r.positive.score is not None and all(d.score is not None for d in r.negatives)
-        records.append(TrainRecord(query=r.query, positive=positive, negatives=negatives,
-                                   positive_id=positive_id, source=str(path), line=r.line,
-                                   query_id="" if r.query_id is None else str(r.query_id),
-                                   query_system=r.query_system, doc_system=r.positive.system,
-                                   pos_score=r.positive.score if scored else None,
-                                   neg_scores=[d.score for d in r.negatives] if scored
-                                   else None))
-    problems.sort(key=lambda p: p.line or 0)  # file order (stable within a line)
-    if problems:
-        shown = "\n  ".join(problem_lines(problems))
-        raise DataError(f"{len(problems)} problem(s) in the training data:\n  {shown}")
-    if not records:
-        raise DataError("no training records", path=str(path))
+    records = [t for r in parsed if (t := train_record(r, problems, data_root)) is not None]
+    raise_problems(problems, len(records), path)
     return records
+
+
+def short_negatives_error(lines: Sequence[int], count: int, num_hard_negatives: int,
+                          source: str | Path) -> DataError:
+    """The error for ``count`` records with fewer than ``num_hard_negatives`` negatives (the
+    first of their ``lines`` named)."""
+    shown = ", ".join(str(n) for n in lines[:10])
+    return DataError(f"{count} record(s) have fewer than --num-hard-negatives="
+                     f"{num_hard_negatives} negatives (lines {shown}"
+                     f"{', ...' if count > 10 else ''})", path=str(source), field="negatives")
+
+
+def beir_hard_negatives_error(source: str | Path, num_hard_negatives: int) -> DataError:
+    """The error for hard negatives asked of a BEIR directory (it has none)."""
+    return DataError(f"BEIR directory {source} has no hard negatives, but "
+                     f"--num-hard-negatives is {num_hard_negatives}; mine negatives into "
+                     f"a JSONL file first, or use 0")
 
 
 def load_records(source: str | Path, split: str = "train", num_hard_negatives: int = 0,
@@ -190,23 +234,17 @@ def load_records(source: str | Path, split: str = "train", num_hard_negatives: i
     if source.is_dir() and detect_format(source) == "beir":
         records = beir_training_records(source, split, data_root)
         if num_hard_negatives > 0:
-            raise DataError(f"BEIR directory {source} has no hard negatives, but "
-                            f"--num-hard-negatives is {num_hard_negatives}; mine negatives into "
-                            f"a JSONL file first, or use 0")
+            raise beir_hard_negatives_error(source, num_hard_negatives)
         return records
     records = load_jsonl_records(source, split, data_root)
     if num_hard_negatives > 0:
-        short = [r for r in records if len(r.negatives) < num_hard_negatives]
+        short = [r.line for r in records if len(r.negatives) < num_hard_negatives]
         if short:
-            lines = ", ".join(str(r.line) for r in short[:10])
-            raise DataError(f"{len(short)} record(s) have fewer than --num-hard-negatives="
-                            f"{num_hard_negatives} negatives (lines {lines}"
-                            f"{', ...' if len(short) > 10 else ''})", path=str(source),
-                            field="negatives")
+            raise short_negatives_error(short, len(short), num_hard_negatives, source)
     return records
 
 
-def check_teacher_scores(records: list[TrainRecord], option: str = "--distill") -> None:
+def check_teacher_scores(records: Sequence[TrainRecord], option: str = "--distill") -> None:
     """Check that every record carries teacher scores (``pos_score`` and ``neg_scores``,
     already checked against its negatives by the reader), as distillation needs.
 
@@ -222,7 +260,41 @@ def check_teacher_scores(records: list[TrainRecord], option: str = "--distill") 
                         f"`bigbatch mine --scores`", path=missing[0].source, field="pos_score")
 
 
-def check_instructions(records: list[TrainRecord], encoder: object) -> None:
+
+@dataclass
+class RecordSummary:
+    """What training asks of all its records at once, found in one pass: the first system
+    prompt each side carries (attribute ``query_system`` / ``doc_system`` -> (prompt,
+    source, line)), and the first record with an image document (source, line), if any.
+    An indexed source keeps it in its index (:mod:`.record_store`)."""
+
+    systems: dict[str, tuple[str, str, int]] = field(default_factory=dict)
+    first_image: tuple[str, int] | None = None
+
+    def add(self, r: TrainRecord) -> None:
+        """Count one record in."""
+        for attr in ("query_system", "doc_system"):
+            v = getattr(r, attr)
+            if v and attr not in self.systems:
+                self.systems[attr] = (v, r.source, r.line)
+        if self.first_image is None and any(isinstance(d, ImageDoc)
+                                            for d in (r.positive, *r.negatives)):
+            self.first_image = (r.source, r.line)
+
+
+def summarize(records: Sequence[TrainRecord]) -> RecordSummary:
+    """The :class:`RecordSummary` of ``records``: kept by an indexed source (its
+    ``summary``), else found by reading them all."""
+    kept = getattr(records, "summary", None)
+    if isinstance(kept, RecordSummary):
+        return kept
+    summary = RecordSummary()
+    for r in records:
+        summary.add(r)
+    return summary
+
+
+def check_instructions(records: Sequence[TrainRecord], encoder: object) -> None:
     """Check that ``encoder`` gives queries and documents the system prompts the training
     data carries (ms-swift's system messages, one per side: :func:`load_jsonl_records`
     refuses records that differ). A vision-language encoder's instruction is the system turn
@@ -235,13 +307,12 @@ def check_instructions(records: list[TrainRecord], encoder: object) -> None:
         ConfigError: naming the option to set and the value the data gives.
     """
     vision = hasattr(encoder, "query_instruction")
+    systems = summarize(records).systems
     for side, attr in (("query", "query_system"), ("doc", "doc_system")):
-        found = {getattr(r, attr) for r in records} - {None, ""}
-        if not found:
+        if attr not in systems:
             continue
-        data = found.pop()
-        first = next(r for r in records if getattr(r, attr) == data)
-        where = f"{first.source}:{first.line}"
+        data, source, line = systems[attr]
+        where = f"{source}:{line}"
         if vision:
             have = getattr(encoder, f"{side}_instruction")
             if have != data:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from ..errors import DataError
@@ -85,9 +86,14 @@ class Record:
 
 def source_folder(r: Record) -> Path | None:
     """The folder ``r``'s relative paths resolve against (None: written as they are)."""
-    if not r.source:
-        return None
-    src = Path(r.source)
+    return _folder(r.source) if r.source else None
+
+
+@lru_cache(maxsize=256)
+def _folder(source: str) -> Path:
+    """A source's folder: itself when a folder (a BEIR directory), else the file's. Asked
+    once per source, not once per record (millions of records share a few sources)."""
+    src = Path(source)
     return src if src.is_dir() else src.parent
 
 

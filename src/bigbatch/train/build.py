@@ -4,6 +4,7 @@ loss, the optimizer and the GradCache engine with its towers and chunk sizes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ def _check_max_length(config: TrainConfig, model_config: Any) -> None:
                               f"{limit} positions {config.model} has")
 
 
-def build_encoder(config: TrainConfig, records: list, lora_r: int) -> Any:
+def build_encoder(config: TrainConfig, records: Sequence, lora_r: int) -> Any:
     """The text or vision-language encoder the configuration asks for (``--encoder auto``:
     by the model folder), with a LoRA adapter of rank ``lora_r`` (0: full fine-tuning).
 
@@ -54,17 +55,16 @@ def build_encoder(config: TrainConfig, records: list, lora_r: int) -> Any:
         ConfigError: image documents for a text model, a max length beyond the model's
             positions, or a bad encoder option.
     """
-    from ..data.images import ImageDoc
+    from ..data.records import summarize
     from ..encoders import TextEncoder, VisionLanguageEncoder, is_vision_language_model
 
     encoder_type = config.encoder
     if encoder_type == "auto":
         encoder_type = "vision-language" if is_vision_language_model(config.model) else "text"
     if encoder_type == "text":
-        image = next((r for r in records if isinstance(r.positive, ImageDoc)
-                      or any(isinstance(n, ImageDoc) for n in r.negatives)), None)
+        image = summarize(records).first_image
         if image is not None:
-            raise ConfigError(f"{image.source}:{image.line}: the training data has image "
+            raise ConfigError(f"{image[0]}:{image[1]}: the training data has image "
                               f"documents, but --model {config.model} is a text model; use a "
                               f"Qwen2-VL / Qwen2.5-VL / Qwen3-VL model")
         extra = {"exclude_prompt_from_pooling": True} \

@@ -1,18 +1,22 @@
-"""The main rank working alone while the others wait: evaluating, embedding a corpus or
-writing a checkpoint can take far longer than ``--dist-timeout`` (which bounds
-collectives), so the waiting ranks use a group of their own with a long timeout. Also the
-gathering of every rank's random state for a checkpoint.
+"""The main rank working alone while the others wait: evaluating, embedding a corpus,
+indexing the training data or writing a checkpoint can take far longer than
+``--dist-timeout`` (which bounds collectives), so the waiting ranks use a group of their own
+with a long timeout. Also the gathering of every rank's random state for a checkpoint.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .. import distributed as D
+from ..errors import BigBatchError
 from .checkpoint import rng_state
 
-__all__ = ["MAIN_RANK_WAIT", "barrier", "from_main", "gather_rng_states"]
+T = TypeVar("T")
+
+__all__ = ["MAIN_RANK_WAIT", "barrier", "from_main", "main_first", "gather_rng_states"]
 
 # how long the other ranks wait while the main rank evaluates, embeds a corpus or writes
 # a checkpoint alone: --dist-timeout bounds collectives, not how long an evaluation may take
@@ -46,6 +50,24 @@ def from_main(obj: Any, info: D.WorldInfo) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=_wait_group())
     return box[0]
+
+
+def main_first(fn: Callable[[], T], info: D.WorldInfo) -> T:
+    """``fn()`` on the main rank first, while the others wait (however long it takes: the
+    main rank indexing the training data), then on the others (which find its work done,
+    an index kept on disk). A bigbatch error on the main rank (bad data) is raised on every
+    rank, naming it, instead of the others running ``fn`` into the same error."""
+    if info.world_size == 1:
+        return fn()
+    result, error = None, None
+    if info.is_main:
+        try:
+            result = fn()
+        except BigBatchError as e:
+            error = e
+    barrier(info)
+    D.raise_together(error)
+    return result if info.is_main else fn()
 
 
 def gather_rng_states(info: D.WorldInfo) -> list[dict[str, Any]]:

@@ -20,6 +20,9 @@ is detected, read and written:
   (:mod:`bigbatch.data.colpali`); validate and training say so, with the command.
 - ``beir`` (:mod:`.beir`): a BEIR directory. Text documents and (query, positive) pairs only.
 
+A folder of JSONL or Parquet shards (:mod:`bigbatch.data.shards`) is read as one source in
+the format of its first shard, each shard naming itself in messages.
+
 Teacher scores for distillation (a record's ``pos_score`` and ``neg_scores``, kept on each
 document as :attr:`~bigbatch.data.types.Doc.score`) are read and written by ``contrastors``,
 ``swift`` (the same two keys) and ``st`` (columns ``pos_score``, ``neg_score_1..k``); each
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,7 @@ from typing import Any
 from ...errors import DataError
 from ..files import open_data_file
 from ..jsonl import open_jsonl
+from ..shards import is_shard_folder, shard_files
 from ..types import Doc, Problem, Record, source_folder
 from . import beir, colpali, contrastors, st, swift
 from .common import Format, WriteOptions
@@ -47,6 +52,7 @@ from .instructions import instruction_problems, record_systems, system_prompts
 from .swift import SWIFT_DOC_INSTRUCTION, SWIFT_QUERY_INSTRUCTION
 
 __all__ = ["Doc", "Record", "Problem", "Format", "FORMATS", "READ_ONLY_FORMATS", "read_records",
+           "stream_records", "get_format",
            "write_records", "detect_format", "format_of", "check_output",
            "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION", "instruction_problems",
            "system_prompts"]
@@ -79,8 +85,9 @@ def _first_keys(path: Path) -> tuple[set | None, int | None, str]:
 
 
 def detect_format(path: str | Path) -> str:
-    """Guess the format from a directory (a Hugging Face ``datasets`` folder is st, any other
-    BEIR), a .parquet or .csv file (st) or the first record's keys. Parquet or a ``datasets``
+    """Guess the format from a directory (a folder of shards has its first shard's format,
+    a Hugging Face ``datasets`` folder is st, any other BEIR), a .parquet or .csv file (st)
+    or the first record's keys. Parquet or a ``datasets``
     folder with colpali-engine's columns (a ``query`` and a page-image column) is
     ``colpali``, which is only read by conversion (:mod:`bigbatch.data.colpali`).
 
@@ -89,6 +96,8 @@ def detect_format(path: str | Path) -> str:
             line and column), or a file that cannot be read.
     """
     path = Path(path)
+    if is_shard_folder(path):  # the format of its first shard
+        return detect_format(shard_files(path)[0])
     formats = [_TABLE[name] for name in _DETECTION_ORDER]
     for f in formats:
         if f.detect_path is not None and f.detect_path(path):
@@ -116,24 +125,53 @@ def _unknown(fmt: str) -> DataError:
     return DataError(f"unknown format {fmt!r}; choose one of {FORMATS}")
 
 
-def read_records(path: str | Path, fmt: str | None = None, split: str = "train"
-                 ) -> tuple[list[Record], list[Problem]]:
-    """Records of ``path`` in format ``fmt`` (detected when None) and the problems found. A
-    source without a single record, and nothing else wrong with it (an empty file), is a
-    problem too: there is nothing to train on or convert."""
+def get_format(fmt: str) -> Format:
+    """The table entry of format ``fmt``.
+
+    Raises:
+        DataError: an unknown format, naming those there are.
+    """
+    if fmt not in _TABLE:
+        raise _unknown(fmt)
+    return _TABLE[fmt]
+
+
+def _parts(path: Path, split: str) -> list[Path]:
+    """The files a source is read from: the shards of a shard folder, else itself."""
+    return shard_files(path, split) if is_shard_folder(path) else [path]
+
+
+def stream_records(path: str | Path, fmt: str | None, split: str, problems: list[Problem]
+                   ) -> Iterator[Record]:
+    """The records of ``path`` (a file, a folder of shards, a ``datasets`` folder or a BEIR
+    directory) in format ``fmt`` (detected when None), one at a time where the format
+    streams (else read whole), adding the problems found to ``problems``. A source without a
+    single record, and nothing else wrong with it, is a problem too (:func:`read_records`)."""
     path = Path(path)
     if not path.exists():
         raise DataError("not found", path=str(path))
     if not path.is_dir():  # a FIFO or a device is refused before any reader opens it
         open_data_file(path).close()
     fmt = fmt or detect_format(path)
-    if fmt not in _TABLE:
-        raise _unknown(fmt)
-    problems: list[Problem] = []
-    records = _TABLE[fmt].read(path, problems, split)
-    if not records and not problems:
+    f = get_format(fmt)
+    before, count = len(problems), 0
+    for part in _parts(path, split):
+        for r in (f.stream or f.read)(part, problems, split):
+            count += 1
+            yield r
+    if not count and len(problems) == before:
         problems.append(Problem(str(path), None, None, f"no records (read as {fmt}): nothing "
                                 f"to train on; give a file with at least one record"))
+
+
+def read_records(path: str | Path, fmt: str | None = None, split: str = "train"
+                 ) -> tuple[list[Record], list[Problem]]:
+    """Records of ``path`` (a file, a folder of shards, a ``datasets`` folder or a BEIR
+    directory) in format ``fmt`` (detected when None) and the problems found. A source
+    without a single record, and nothing else wrong with it (an empty file), is a problem
+    too: there is nothing to train on or convert."""
+    problems: list[Problem] = []
+    records = list(stream_records(path, fmt, split, problems))
     return records, problems
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,8 @@ from ..types import Doc, Problem, Record
 
 # jsonl_rows and text_field are defined in bigbatch.data.jsonl (the BEIR reader shares them)
 # and stay importable from here
-__all__ = ["Format", "WriteOptions", "ID_KEY", "SCORE_KEYS", "with_scores", "add_scores",
+__all__ = ["Format", "WriteOptions", "RowParser", "Stream", "jsonl_stream", "read_all", "ID_KEY",
+           "SCORE_KEYS", "with_scores", "add_scores",
            "jsonl_rows", "text_field", "with_ids",
            "add_ids", "write_jsonl", "text_only"]
 
@@ -52,7 +53,9 @@ class Format:
     ``cannot_hold(record)`` says why a record cannot be written without loss (None if it
     can). ``instructions``: the format holds each record's system prompts (swift).
     ``writes_folder``: the output is a folder, which relative paths are rebased against.
-    ``suffixes``: the file suffixes the writer writes (the first is the usual one)."""
+    ``suffixes``: the file suffixes the writer writes (the first is the usual one).
+    ``stream(path, problems, split)`` yields the records one at a time; ``parse(row, path,
+    line, problems)`` reads one row (formats whose training records are read lazily)."""
 
     name: str
     read: Callable[[Path, list[Problem], str], list[Record]]
@@ -63,6 +66,34 @@ class Format:
     instructions: bool = False
     writes_folder: bool = False
     suffixes: tuple[str, ...] = (".jsonl",)
+    # the records one at a time (bounded memory: what training indexes a file with), and
+    # one row (a JSON object or a table row) to its record: formats with both are read
+    # lazily for training (:mod:`bigbatch.data.record_store`)
+    stream: Stream | None = None
+    parse: RowParser | None = None
+
+
+RowParser = Callable[[dict, Path, int, list[Problem]], Record | None]
+Stream = Callable[[Path, list[Problem], str], Iterator[Record]]
+
+
+def jsonl_stream(parse: RowParser) -> Stream:
+    """A format's reader of a JSONL file, one record at a time: ``parse`` turns each good
+    line's object into a record (or None, adding what is wrong to the problems); a bad line
+    is a problem."""
+    def stream(path: Path, problems: list[Problem], split: str = "train") -> Iterator[Record]:
+        for n, rec in jsonl_rows(path, problems):
+            r = parse(rec, path, n, problems)
+            if r is not None:
+                yield r
+    return stream
+
+
+def read_all(stream: Stream) -> Callable[[Path, list[Problem], str], list[Record]]:
+    """A format's ``read`` (every record as a list) from its ``stream``."""
+    def read(path: Path, problems: list[Problem], split: str = "train") -> list[Record]:
+        return list(stream(path, problems, split))
+    return read
 
 
 def with_ids(rec: dict, pos: Doc, negs: list[Doc]) -> tuple[Doc, list[Doc]]:

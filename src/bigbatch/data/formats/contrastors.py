@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ..types import Doc, Problem, Record, is_image_path
-from .common import (ID_KEY, SCORE_KEYS, Format, WriteOptions, add_ids, add_scores, jsonl_rows,
-                     text_field, with_ids, with_scores, write_jsonl)
+from .common import (ID_KEY, SCORE_KEYS, Format, WriteOptions, add_ids, add_scores,
+                     jsonl_stream, read_all, text_field, with_ids, with_scores, write_jsonl)
 
 __all__ = ["FORMAT", "CONTRASTORS_KEYS"]
 
@@ -37,50 +37,54 @@ def _doc(v: Any, key: str, where: tuple[str, int], problems: list[Problem],
     return Doc(image=v, key=key) if is_image_path(v) else Doc(path=v, key=key)
 
 
-def read(path: Path, problems: list[Problem], split: str = "train") -> list[Record]:
-    """The records of a contrastors JSONL file (``split`` is not used)."""
-    out = []
-    for n, rec in jsonl_rows(path, problems):
-        w = (str(path), n)
-        q = text_field(rec, "query", w, problems)
-        if "chunk_path" in rec:
-            pos = _doc(rec["chunk_path"], "chunk_path", w, problems, True)
-        elif "positive" in rec:
-            pos = _doc(rec["positive"], "positive", w, problems, False)
-        else:
-            problems.append(Problem(str(path), n, "positive", "missing positive: give "
-                                    "'positive' text or 'chunk_path'"))
-            pos = None
-        negs: list[Doc] = []
-        unread = 0
-        for key, as_path in (("neg_chunk_paths", True), ("negatives", False)):
-            if key not in rec:
-                continue
-            if not isinstance(rec[key], list):
-                problems.append(Problem(str(path), n, key, "must be a list"))
-                continue
-            for i, v in enumerate(rec[key]):
-                d = _doc(v, f"{key}[{i}]", w, problems, as_path)
-                if d is not None:
-                    negs.append(d)
-                else:
-                    unread += 1
-        for key in rec:
-            if key not in CONTRASTORS_KEYS and _DATA_LIKE.search(key) \
-                    and not ID_KEY.search(key):
-                problems.append(Problem(str(path), n, key, "not read: the contrastors format "
-                                        "takes 'query', the positive as 'positive' or "
-                                        "'chunk_path', negatives as 'negatives' or "
-                                        "'neg_chunk_paths' (sentence-transformers columns: "
-                                        "--format st)"))
-        if q is not None and pos is not None:
-            qid = rec.get("query_id")
-            pos, negs = with_ids(rec, pos, negs)
-            pos, negs = with_scores(rec.get("pos_score"), rec.get("neg_scores"), "neg_scores",
-                                    pos, negs, len(negs) + unread, w, problems)
-            out.append(Record(q, pos, negs, None if qid is None else str(qid), n, str(path),
-                              unread_negatives=unread))
-    return out
+def parse(rec: dict, path: Path, n: int, problems: list[Problem]) -> Record | None:
+    """The record of one contrastors line (the object ``rec`` on line ``n`` of ``path``),
+    or None, with what is wrong added to ``problems``."""
+    w = (str(path), n)
+    q = text_field(rec, "query", w, problems)
+    if "chunk_path" in rec:
+        pos = _doc(rec["chunk_path"], "chunk_path", w, problems, True)
+    elif "positive" in rec:
+        pos = _doc(rec["positive"], "positive", w, problems, False)
+    else:
+        problems.append(Problem(str(path), n, "positive", "missing positive: give "
+                                "'positive' text or 'chunk_path'"))
+        pos = None
+    negs: list[Doc] = []
+    unread = 0
+    for key, as_path in (("neg_chunk_paths", True), ("negatives", False)):
+        if key not in rec:
+            continue
+        if not isinstance(rec[key], list):
+            problems.append(Problem(str(path), n, key, "must be a list"))
+            continue
+        for i, v in enumerate(rec[key]):
+            d = _doc(v, f"{key}[{i}]", w, problems, as_path)
+            if d is not None:
+                negs.append(d)
+            else:
+                unread += 1
+    for key in rec:
+        if key not in CONTRASTORS_KEYS and _DATA_LIKE.search(key) \
+                and not ID_KEY.search(key):
+            problems.append(Problem(str(path), n, key, "not read: the contrastors format "
+                                    "takes 'query', the positive as 'positive' or "
+                                    "'chunk_path', negatives as 'negatives' or "
+                                    "'neg_chunk_paths' (sentence-transformers columns: "
+                                    "--format st)"))
+    if q is None or pos is None:
+        return None
+    qid = rec.get("query_id")
+    pos, negs = with_ids(rec, pos, negs)
+    pos, negs = with_scores(rec.get("pos_score"), rec.get("neg_scores"), "neg_scores",
+                            pos, negs, len(negs) + unread, w, problems)
+    return Record(q, pos, negs, None if qid is None else str(qid), n, str(path),
+                  unread_negatives=unread)
+
+
+# the records of a contrastors JSONL file, one at a time or as a list (``split`` is not used)
+stream = jsonl_stream(parse)
+read = read_all(stream)
 
 
 def cannot_hold(r: Record) -> str | None:
@@ -117,4 +121,4 @@ def write(records: list[Record], out: Path, options: WriteOptions) -> None:
 
 
 FORMAT = Format("contrastors", read, detect_keys=lambda keys: True, write=write,
-                cannot_hold=cannot_hold)
+                cannot_hold=cannot_hold, stream=stream, parse=parse)

@@ -8,7 +8,7 @@ from collections import Counter
 
 from ..types import Problem, Record
 
-__all__ = ["instruction_problems", "system_prompts", "record_systems"]
+__all__ = ["SystemCounts", "instruction_problems", "system_prompts", "record_systems"]
 
 
 def _short(text: str, n: int = 60) -> str:
@@ -24,44 +24,75 @@ def record_systems(r: Record) -> tuple[str | None, ...]:
     return (r.query_system, *(d.system for d in (r.positive, *r.negatives)))
 
 
+# each side's system prompt: (side as messages name it, how a record gives it, its field)
+_SIDES = (("query", lambda r: r.query_system, "messages"),
+          ("document", _doc_system, "positive_messages[0]"))
+
+
+class SystemCounts:
+    """How often each system prompt occurs per side, and the line of its first record:
+    counted one record at a time (:meth:`add`), so a file is checked in one pass with
+    bounded memory (:func:`instruction_problems` over a list, or a second pass of
+    :meth:`problems` over the records when :meth:`differ`)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, Counter] = {side: Counter() for side, _, _ in _SIDES}
+        self.first: dict[str, dict[str, int]] = {side: {} for side, _, _ in _SIDES}
+
+    def add(self, r: Record) -> None:
+        for side, get, _ in _SIDES:
+            v = get(r)
+            if v is not None:
+                self.counts[side][v] += 1
+                self.first[side].setdefault(v, r.line)
+
+    def differ(self) -> bool:
+        """Whether some side has two system prompts (then :meth:`problems` finds them)."""
+        return any(len(c) > 1 for c in self.counts.values())
+
+    def problems(self, r: Record) -> list[Problem]:
+        """What :func:`instruction_problems` reports on record ``r`` (counted before)."""
+        out = []
+        for d in r.negatives:
+            if d.system is not None and d.system != r.positive.system:
+                out.append(Problem(r.source, r.line, d.key, f"system prompt "
+                                   f"{_short(d.system)} differs from the positive's "
+                                   f"{_short(r.positive.system or '')}; bigbatch gives "
+                                   f"every document one instruction"))
+        for side, get, field in _SIDES:
+            counts = self.counts[side]
+            if len(counts) < 2:
+                continue
+            usual = counts.most_common(1)[0][0]
+            v = get(r)
+            if v is not None and v != usual:
+                out.append(Problem(r.source, r.line, field, (
+                    f"{side} system prompt {_short(v)}" if v else f"no {side} system prompt") +
+                    f" where the file's usual one is {_short(usual)} (line "
+                    f"{self.first[side][usual]}); bigbatch applies one {side} instruction to "
+                    f"every record: split the file by instruction (or fold the instruction "
+                    f"into the {side} text)"))
+        return out
+
+
 def instruction_problems(records: list[Record]) -> list[Problem]:
     """System prompts (swift) that bigbatch cannot apply as they are: bigbatch gives every
     query one instruction and every document one (``--query-instruction`` /
     ``--doc-instruction``, or ``--query-prefix`` / ``--doc-prefix`` for text models), where
     ms-swift applies each conversation's own system message. So a record's documents must
     carry the same system prompt, and every record the file's usual one for each side; each
-    record that does not is a problem naming its line and field."""
-    problems = []
+    record that does not is a problem naming its line and field (in record order)."""
+    counts = SystemCounts()
     for r in records:
-        for d in r.negatives:
-            if d.system is not None and d.system != r.positive.system:
-                problems.append(Problem(r.source, r.line, d.key, f"system prompt "
-                                        f"{_short(d.system)} differs from the positive's "
-                                        f"{_short(r.positive.system or '')}; bigbatch gives "
-                                        f"every document one instruction"))
-    for side, get, field in (("query", lambda r: r.query_system, "messages"),
-                             ("document", _doc_system, "positive_messages[0]")):
-        counts = Counter(get(r) for r in records if get(r) is not None)
-        if len(counts) < 2:
-            continue
-        usual = counts.most_common(1)[0][0]
-        first = next(r.line for r in records if get(r) == usual)
-        for r in records:
-            v = get(r)
-            if v is not None and v != usual:
-                problems.append(Problem(r.source, r.line, field, (
-                    f"{side} system prompt {_short(v)}" if v else f"no {side} system prompt") +
-                    f" where the file's usual one is {_short(usual)} (line {first}); bigbatch "
-                    f"applies one {side} instruction to every record: split the file by "
-                    f"instruction (or fold the instruction into the {side} text)"))
-    return problems
+        counts.add(r)
+    return [p for r in records for p in counts.problems(r)]
 
 
 def system_prompts(records: list[Record]) -> dict[str, str]:
     """The system prompts the records carry, per side ("query", "document"), when they carry
     one (non-empty) and :func:`instruction_problems` finds none."""
     out = {}
-    for side, get in (("query", lambda r: r.query_system), ("document", _doc_system)):
+    for side, get, _ in _SIDES:
         found = {get(r) for r in records} - {None, ""}
         if len(found) == 1:
             out[side] = found.pop()

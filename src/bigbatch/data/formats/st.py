@@ -25,8 +25,8 @@ from ..files import open_data_file
 from ..tables import is_hf_dataset, table_rows
 from ..types import Doc, Problem, Record
 from .colpali import is_colpali, not_converted_problem
-from .common import (ID_KEY, Format, WriteOptions, jsonl_rows, text_field, text_only,
-                     with_scores, write_jsonl)
+from .common import (ID_KEY, Format, WriteOptions, jsonl_rows, read_all, text_field,
+                     text_only, with_scores, write_jsonl)
 from .contrastors import CONTRASTORS_KEYS
 
 __all__ = ["FORMAT"]
@@ -86,66 +86,76 @@ def _rows(path: Path, problems: list[Problem], split: str) -> Iterator[tuple[int
         yield from jsonl_rows(path, problems)
 
 
-def read(path: Path, problems: list[Problem], split: str = "train") -> list[Record]:
-    """sentence-transformers columns. As sentence-transformers' losses take them: named
-    ``anchor``, ``positive``, ``negative`` / ``negative_1..k`` (any other column is reported,
-    not read), or, without an ``anchor`` column, by position: the first column is the
-    anchor, the second the positive, the rest negatives (``query, positive, negative``;
-    ``question, answer``). A ``label`` or ``score`` column cannot be held: such pairs are
-    not all positives (reported). colpali data (page images held in the rows) is a problem
-    saying how to convert it."""
+def parse(rec: dict, path: Path, n: int, problems: list[Problem]) -> Record | None:
+    """The record of one row of sentence-transformers columns (``rec``, row or line ``n`` of
+    ``path``), or None, with what is wrong added to ``problems`` (see :func:`stream`)."""
+    w = (str(path), n)
+    lost = [(k, f"a {k!r} column (bigbatch trains on (anchor, positive, negatives); "
+                f"labelled or scored pairs are not all positives)")
+            for k in _LABELS if k in rec]
+    score_cols = _score_columns(rec)
+    cols = [k for k in rec if k not in _LABELS and k not in score_cols]
+    if "anchor" in rec:
+        q = text_field(rec, "anchor", w, problems)
+        p = text_field(rec, "positive", w, problems)
+        neg_keys = [k for k in cols if _NEGATIVE.match(k)]
+        for k in cols:
+            if k not in ("anchor", "positive") and k not in neg_keys:
+                problems.append(Problem(str(path), n, k, "not read: sentence-transformers "
+                                        "columns are anchor, positive, negative_1..k"))
+    elif len(cols) < 2:
+        problems.append(Problem(str(path), n, None, f"{_columns(cols)} read by position "
+                                f"(no 'anchor' column): needs a first column (the anchor) "
+                                f"and a second (the positive), or columns named anchor, "
+                                f"positive, negative_1..k"))
+        return None
+    else:
+        for k in [k for k in cols if ID_KEY.search(k)]:
+            problems.append(Problem(str(path), n, k, "not read: an id column among "
+                                    "columns read by position (the first is the anchor, "
+                                    "the second the positive, the rest negatives); "
+                                    "remove it"))
+            cols.remove(k)
+        if len(cols) < 2:
+            return None
+        q = text_field(rec, cols[0], w, problems)
+        p = text_field(rec, cols[1], w, problems)
+        neg_keys = cols[2:]
+    negs = []
+    for key in neg_keys:
+        t = text_field(rec, key, w, problems)
+        if t is not None:
+            negs.append(Doc(text=t, key=key))
+    if q is None or p is None:
+        return None
+    qkey, pkey = ("anchor", "positive") if "anchor" in rec else (cols[0], cols[1])
+    pos = Doc(text=p, key=pkey)
+    if score_cols:
+        neg_cols = [k for k in score_cols if k != "pos_score"]
+        pos, negs = with_scores(rec.get("pos_score"), [rec[k] for k in neg_cols],
+                                neg_cols, pos, negs, len(neg_keys), w, problems)
+    return Record(q, pos, negs, None, n, str(path), lost,
+                  unread_negatives=len(neg_keys) - len(negs), query_key=qkey)
+
+
+def stream(path: Path, problems: list[Problem], split: str = "train") -> Iterator[Record]:
+    """sentence-transformers columns, one record at a time. As sentence-transformers' losses
+    take them: named ``anchor``, ``positive``, ``negative`` / ``negative_1..k`` (any other
+    column is reported, not read), or, without an ``anchor`` column, by position: the first
+    column is the anchor, the second the positive, the rest negatives (``query, positive,
+    negative``; ``question, answer``). A ``label`` or ``score`` column cannot be held: such
+    pairs are not all positives (reported). colpali data (page images held in the rows) is
+    a problem saying how to convert it."""
     if is_colpali(path, split):  # training reads image files, so convert first
         problems.append(not_converted_problem(path))
-        return []
-    out = []
+        return
     for n, rec in _rows(path, problems, split):
-        w = (str(path), n)
-        lost = [(k, f"a {k!r} column (bigbatch trains on (anchor, positive, negatives); "
-                    f"labelled or scored pairs are not all positives)")
-                for k in _LABELS if k in rec]
-        score_cols = _score_columns(rec)
-        cols = [k for k in rec if k not in _LABELS and k not in score_cols]
-        if "anchor" in rec:
-            q = text_field(rec, "anchor", w, problems)
-            p = text_field(rec, "positive", w, problems)
-            neg_keys = [k for k in cols if _NEGATIVE.match(k)]
-            for k in cols:
-                if k not in ("anchor", "positive") and k not in neg_keys:
-                    problems.append(Problem(str(path), n, k, "not read: sentence-transformers "
-                                            "columns are anchor, positive, negative_1..k"))
-        elif len(cols) < 2:
-            problems.append(Problem(str(path), n, None, f"{_columns(cols)} read by position "
-                                    f"(no 'anchor' column): needs a first column (the anchor) "
-                                    f"and a second (the positive), or columns named anchor, "
-                                    f"positive, negative_1..k"))
-            continue
-        else:
-            for k in [k for k in cols if ID_KEY.search(k)]:
-                problems.append(Problem(str(path), n, k, "not read: an id column among "
-                                        "columns read by position (the first is the anchor, "
-                                        "the second the positive, the rest negatives); "
-                                        "remove it"))
-                cols.remove(k)
-            if len(cols) < 2:
-                continue
-            q = text_field(rec, cols[0], w, problems)
-            p = text_field(rec, cols[1], w, problems)
-            neg_keys = cols[2:]
-        negs = []
-        for key in neg_keys:
-            t = text_field(rec, key, w, problems)
-            if t is not None:
-                negs.append(Doc(text=t, key=key))
-        if q is not None and p is not None:
-            qkey, pkey = ("anchor", "positive") if "anchor" in rec else (cols[0], cols[1])
-            pos = Doc(text=p, key=pkey)
-            if score_cols:
-                neg_cols = [k for k in score_cols if k != "pos_score"]
-                pos, negs = with_scores(rec.get("pos_score"), [rec[k] for k in neg_cols],
-                                        neg_cols, pos, negs, len(neg_keys), w, problems)
-            out.append(Record(q, pos, negs, None, n, str(path), lost,
-                              unread_negatives=len(neg_keys) - len(negs), query_key=qkey))
-    return out
+        r = parse(rec, path, n, problems)
+        if r is not None:
+            yield r
+
+
+read = read_all(stream)
 
 
 def _columns(cols: list[str]) -> str:
@@ -233,4 +243,4 @@ def _all_scored(records: list[Record], out: Path) -> bool:
 
 FORMAT = Format("st", read, detect_path=detect_path, detect_keys=detect_keys, write=write,
                 cannot_hold=lambda r: text_only("st", r),
-                suffixes=(".jsonl", ".parquet", ".csv"))
+                suffixes=(".jsonl", ".parquet", ".csv"), stream=stream, parse=parse)

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..types import Doc, Problem, Record
-from .common import (Format, WriteOptions, add_ids, add_scores, jsonl_rows, with_ids,
-                     with_scores, write_jsonl)
+from .common import (Format, WriteOptions, add_ids, add_scores, jsonl_stream, read_all,
+                     with_ids, with_scores, write_jsonl)
 
 __all__ = ["FORMAT", "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION"]
 
@@ -107,65 +107,68 @@ _MEDIA_KEYS = tuple(f"{side}{kind}" for side in ("", "positive_", "negative_")
                     for kind in ("videos", "audios"))
 
 
-def read(path: Path, problems: list[Problem], split: str = "train") -> list[Record]:
-    """The records of a swift JSONL file (``split`` is not used)."""
-    out = []
-    for n, rec in jsonl_rows(path, problems):
-        w = (str(path), n)
-        lost: list[tuple[str, str]] = []
-        query = query_system = None
-        turn = _turn(rec.get("messages"), "messages", w, problems, lost) \
-            if "messages" in rec else None
-        if "messages" not in rec:
-            problems.append(Problem(str(path), n, "messages", "missing"))
-        elif turn is not None and not turn[1].strip():
-            problems.append(Problem(str(path), n, "messages", "needs one non-empty user "
-                                    "message (the query)"))
-        elif turn is not None:
-            query_system, query = turn
-            if _IMAGE_TAG in query or rec.get("images"):
-                lost.append(("images" if rec.get("images") else "messages",
-                             "an image in the query (queries are text)"))
-        for key in _MEDIA_KEYS:
-            if rec.get(key):
-                lost.append((key, f"{key.rsplit('_', 1)[-1]} (bigbatch embeds text and images)"))
-        pos_convs = rec.get("positive_messages")
-        pos = None
-        pos_imgs = rec.get("positive_images")
-        if not isinstance(pos_convs, list) or len(pos_convs) != 1:
-            problems.append(Problem(str(path), n, "positive_messages", "must hold exactly one "
-                                    "conversation"))
-        elif pos_imgs is not None and (not isinstance(pos_imgs, list) or len(pos_imgs) != 1):
-            problems.append(Problem(str(path), n, "positive_images", "must hold one list of "
-                                    "image paths, for the one positive conversation"))
-        else:
-            imgs = (pos_imgs or [[]])[0]
-            pos = _doc(pos_convs[0], imgs, "positive_messages[0]", w, problems, lost)
-        negs = []
-        neg_convs = rec.get("negative_messages") or []
-        neg_imgs = rec.get("negative_images") or [[] for _ in neg_convs]
-        if not isinstance(neg_convs, list):
-            problems.append(Problem(str(path), n, "negative_messages", "must be a list of "
-                                    "conversations"))
-        elif not isinstance(neg_imgs, list) or len(neg_imgs) != len(neg_convs):
-            problems.append(Problem(str(path), n, "negative_images", "one list per negative "
-                                    "conversation"))
-        else:
-            for i, (c, im) in enumerate(zip(neg_convs, neg_imgs)):
-                d = _doc(c, im, f"negative_messages[{i}]", w, problems, lost)
-                if d is not None:
-                    negs.append(d)
-        unread = len(neg_convs) - len(negs) if isinstance(neg_convs, list) else 0
-        if query is not None and pos is not None:
-            pos, negs = with_ids(rec, pos, negs)
-            written = len(neg_convs) if isinstance(neg_convs, list) else len(negs)
-            pos, negs = with_scores(rec.get("pos_score"), rec.get("neg_scores"), "neg_scores",
-                                    pos, negs, written, w, problems)
-            qid = rec.get("query_id")
-            out.append(Record(query, pos, negs, None if qid is None else str(qid), n, str(path),
-                              lost, query_system, unread_negatives=unread,
-                              query_key="messages"))
-    return out
+def parse(rec: dict, path: Path, n: int, problems: list[Problem]) -> Record | None:
+    """The record of one swift line (the object ``rec`` on line ``n`` of ``path``), or
+    None, with what is wrong added to ``problems``."""
+    w = (str(path), n)
+    lost: list[tuple[str, str]] = []
+    query = query_system = None
+    turn = _turn(rec.get("messages"), "messages", w, problems, lost) \
+        if "messages" in rec else None
+    if "messages" not in rec:
+        problems.append(Problem(str(path), n, "messages", "missing"))
+    elif turn is not None and not turn[1].strip():
+        problems.append(Problem(str(path), n, "messages", "needs one non-empty user "
+                                "message (the query)"))
+    elif turn is not None:
+        query_system, query = turn
+        if _IMAGE_TAG in query or rec.get("images"):
+            lost.append(("images" if rec.get("images") else "messages",
+                         "an image in the query (queries are text)"))
+    for key in _MEDIA_KEYS:
+        if rec.get(key):
+            lost.append((key, f"{key.rsplit('_', 1)[-1]} (bigbatch embeds text and images)"))
+    pos_convs = rec.get("positive_messages")
+    pos = None
+    pos_imgs = rec.get("positive_images")
+    if not isinstance(pos_convs, list) or len(pos_convs) != 1:
+        problems.append(Problem(str(path), n, "positive_messages", "must hold exactly one "
+                                "conversation"))
+    elif pos_imgs is not None and (not isinstance(pos_imgs, list) or len(pos_imgs) != 1):
+        problems.append(Problem(str(path), n, "positive_images", "must hold one list of "
+                                "image paths, for the one positive conversation"))
+    else:
+        imgs = (pos_imgs or [[]])[0]
+        pos = _doc(pos_convs[0], imgs, "positive_messages[0]", w, problems, lost)
+    negs = []
+    neg_convs = rec.get("negative_messages") or []
+    neg_imgs = rec.get("negative_images") or [[] for _ in neg_convs]
+    if not isinstance(neg_convs, list):
+        problems.append(Problem(str(path), n, "negative_messages", "must be a list of "
+                                "conversations"))
+    elif not isinstance(neg_imgs, list) or len(neg_imgs) != len(neg_convs):
+        problems.append(Problem(str(path), n, "negative_images", "one list per negative "
+                                "conversation"))
+    else:
+        for i, (c, im) in enumerate(zip(neg_convs, neg_imgs)):
+            d = _doc(c, im, f"negative_messages[{i}]", w, problems, lost)
+            if d is not None:
+                negs.append(d)
+    unread = len(neg_convs) - len(negs) if isinstance(neg_convs, list) else 0
+    if query is None or pos is None:
+        return None
+    pos, negs = with_ids(rec, pos, negs)
+    written = len(neg_convs) if isinstance(neg_convs, list) else len(negs)
+    pos, negs = with_scores(rec.get("pos_score"), rec.get("neg_scores"), "neg_scores",
+                            pos, negs, written, w, problems)
+    qid = rec.get("query_id")
+    return Record(query, pos, negs, None if qid is None else str(qid), n, str(path),
+                  lost, query_system, unread_negatives=unread, query_key="messages")
+
+
+# the records of a swift JSONL file, one at a time or as a list (``split`` is not used)
+stream = jsonl_stream(parse)
+read = read_all(stream)
 
 
 def _messages(system: str | None, instruction: str, content: str | None) -> list[dict]:
@@ -210,4 +213,4 @@ def write(records: list[Record], out: Path, options: WriteOptions) -> None:
 
 
 FORMAT = Format("swift", read, detect_keys=lambda keys: "messages" in keys, write=write,
-                cannot_hold=cannot_hold, instructions=True)
+                cannot_hold=cannot_hold, instructions=True, stream=stream, parse=parse)
