@@ -33,8 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..embeddings import TokenEmbeddings, stack_rows
+from ..embeddings import TokenEmbeddings
 from ..errors import ConfigError
+from .base import scored_rows, tokens_in_order
 from .images import is_image_doc
 from .vision import VisionLanguageEncoder
 
@@ -188,20 +189,15 @@ class MultiVectorVisionEncoder(VisionLanguageEncoder):
                                                          -len(str(items[i]))))
         for idx, out in self._encode_batches(items, side, batch_size, device, progress,
                                              autocast_dtype, order, self.collate, "item"):
-            values, mask = out.values.float().cpu(), out.mask.cpu()
-            yield idx, [v[m] for v, m in zip(values, mask)]
+            yield idx, scored_rows(out)
 
     def encode(self, items: Sequence[Any], side: str = "doc", batch_size: int = 16,
                device: torch.device | str | None = None, progress: str | None = None,
                autocast_dtype: torch.dtype | None = None) -> TokenEmbeddings:
         """The scored tokens of ``items`` as one TokenEmbeddings (float32, on the CPU, padded
         to the longest item), in input order."""
-        rows: list[Tensor] = [torch.empty(0)] * len(items)
-        for idx, vectors in self.encode_tokens(items, side, batch_size, device, progress,
-                                               autocast_dtype):
-            for i, v in zip(idx, vectors):
-                rows[i] = v
-        return stack_rows(rows, self.dim)
+        return tokens_in_order(self.encode_tokens(items, side, batch_size, device, progress,
+                                                  autocast_dtype), len(items), self.dim)
 
     # -------------------------------------------------------------- saving
     def settings(self) -> dict[str, Any]:
