@@ -25,7 +25,8 @@ B x N x Tq x Td similarity); the floor's embeddings are rows x tokens x dim per 
 
     python bench/memory.py --multivector --batches 256,1024,4096,16384 --chunk 128
 
-Writes bench/results/memory-<device>[-<model>].json and prints a table.
+Writes bench/results/memory-<device>[-<model>].json (with --multivector:
+multivector-memory-...json) and prints a table.
 """
 
 from __future__ import annotations
@@ -262,7 +263,8 @@ def main() -> None:
     dev = args.device.split(":")[0]
     name = f"memory-{dev}.json" if args.model == "minilm" else f"memory-{dev}-{args.model}.json"
     if args.multivector:
-        name = name.replace("memory-", "memory-multivector-")
+        # not memory-*.json: bench/report.py's single-vector tables read those
+        name = "multivector-" + name
     out = Path(args.out or RESULTS / name)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print("\n" + "\n".join(table(rows, args.device)))

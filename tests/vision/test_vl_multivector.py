@@ -258,3 +258,15 @@ def test_train_pooling_multivector_on_pages(tiny_vl, pages, tmp_path, capsys):
           "--output", str(tmp_path / "eval.json")])
     metrics = json.loads((tmp_path / "eval.json").read_text())[0]["metrics"]
     assert abs(metrics["ndcg@10"] - final["ndcg@10"]) < 1e-6  # the same model reloaded
+
+
+def test_query_length_is_refused_for_page_retrievers(tiny_vl, pages, tmp_path):
+    from bigbatch.train import TrainConfig, train
+
+    cfg = TrainConfig(model=str(tiny_vl("qwen2_vl")), train_data=str(pages / "train.jsonl"),
+                      output_dir=str(tmp_path / "run"), pooling="multivector", query_length=8,
+                      batch_size=4, max_steps=1)
+    with pytest.raises(ConfigError, match="--query-length: query expansion with mask tokens "
+                                          "is for text models"):
+        train(cfg)
+    assert not (tmp_path / "run" / "final").exists()
