@@ -60,7 +60,8 @@ def _chunked(enc, items, side, size):
 
 
 @pytest.mark.parametrize("family,mode", [("qwen2_vl", "lora"), ("qwen2_vl", "full"),
-                                         ("qwen3_vl", "lora"), ("qwen3_vl", "full")])
+                                         ("qwen3_vl", "lora"), ("qwen3_vl", "full"),
+                                         ("qwen2_5_vl", "lora")])
 def test_gradcache_maxsim_equals_unchunked_reference(tiny_vl, page_images, family, mode):
     enc = _encoder(tiny_vl(family, dropout=0.1), mode)
     loss_fn = bb.MaxSimInfoNCE(symmetric=True, normalize_query=True, block_size=3).to(DT)
