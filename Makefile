@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # CPU build of torch where there is no GPU (a bare `torch` pulls a multi-GB CUDA build).
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo "torch"; else echo "torch==2.13.0"; fi)
 
-.PHONY: install test test-all demo demo-mix demo-jax demo-vl example example-jax bench docs docs-serve clean
+.PHONY: install test test-all demo demo-mix demo-colbert demo-jax demo-vl example example-jax bench docs docs-serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,17 @@ demo-mix: $(STAMP)
 # The same fine-tuning in JAX: the Flax MiniLM, the cached step, Optax AdamW (bigbatch.jax.demo).
 demo-jax: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m bigbatch.jax.demo --model "$(MINILM)" --data "$(SCIFACT)"
+
+# all-MiniLM-L6-v2 as a ColBERT model (--pooling multivector, configs/demo_colbert.yaml) on
+# SciFact train; prints base and fine-tuned MaxSim figures, then (when `make demo` has run)
+# the dense model's figures on the same split for comparison.
+demo-colbert: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/bigbatch train --config configs/demo_colbert.yaml \
+		--model "$(MINILM)" --train-data "$(SCIFACT)" --eval-data "$(SCIFACT)" --overwrite
+	@if [ -d runs/demo-scifact/final ]; then \
+		HF_HUB_OFFLINE=1 $(VENV)/bin/bigbatch eval --model runs/demo-scifact/final \
+			--data "$(SCIFACT)"; \
+	else echo "dense (one vector per text) figures: README.md, or run make demo first"; fi
 
 # The vision-language path end to end on the CPU: SciFact abstracts rendered to page images,
 # a tiny random Qwen3-VL (no download), a few GradCache steps, evaluation, final/ saved.

@@ -18,7 +18,15 @@ chunk).
 
     python bench/memory.py --model tiny-bert --batches 256,1024,4096,16384 --chunk 32
 
-Writes bench/results/memory-<device>[-<model>].json and prints a table.
+With --multivector the towers return one 128-d vector per token (a linear projection of the
+last hidden states, L2 per token: ColBERT) and the loss is MaxSimInfoNCE: streamed (bounded
+query x document blocks, recomputed in the backward) against dense (one block holding every
+B x N x Tq x Td similarity); the floor's embeddings are rows x tokens x dim per tower.
+
+    python bench/memory.py --multivector --batches 256,1024,4096,16384 --chunk 128
+
+Writes bench/results/memory-<device>[-<model>].json (with --multivector:
+multivector-memory-...json) and prints a table.
 """
 
 from __future__ import annotations
@@ -50,6 +58,35 @@ def _reset_peak() -> bool:
         return False
 
 
+MULTIVECTOR_DIM = 128
+SIMILARITY_COPIES = 2  # a MaxSim block's similarities and the masked copy its max reads
+
+
+def load_multivector(name: str, device: str, max_length: int):
+    """(tokenizer, tower function, parameters, width of one row's cached values) of a
+    ColBERT tower over ``name``: last hidden states, a linear projection to 128 numbers,
+    L2 per token, the attention mask as the token mask."""
+    import torch
+
+    import bigbatch as bb
+
+    if name == "minilm":
+        st = minilm(device)
+        tok, bert = st.tokenizer, st[0].auto_model
+    else:
+        tok, bert = tiny_bert(add_pooling_layer=False)
+    bert = bert.to(device).train()
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(bert.config.hidden_size, MULTIVECTOR_DIM).to(device)
+
+    def tower(input_ids, attention_mask, **rest):
+        h = bert(input_ids=input_ids, attention_mask=attention_mask, **rest).last_hidden_state
+        return bb.TokenEmbeddings(torch.nn.functional.normalize(proj(h), dim=-1),
+                                  attention_mask)
+
+    return tok, tower, [*bert.parameters(), *proj.parameters()], MULTIVECTOR_DIM * max_length
+
+
 def load_model(name: str, device: str, max_length: int):
     """(tokenizer, tower function, parameters, embedding width) for ``name``."""
     import torch
@@ -73,13 +110,14 @@ def load_model(name: str, device: str, max_length: int):
 
 
 def point(mode: str, batch: int, chunk: int, max_length: int, device: str, block: int | None,
-          model_name: str) -> dict:
+          model_name: str, multivector: bool = False) -> dict:
     import torch
 
     import bigbatch as bb
     from bigbatch.memory import activation_bytes, estimate_step_memory
 
-    tokenizer, tower, params, dim = load_model(model_name, device, max_length)
+    loader = load_multivector if multivector else load_model
+    tokenizer, tower, params, dim = loader(model_name, device, max_length)
     queries, docs = scifact_pairs(batch)
 
     def tokenize(texts: list[str]) -> dict:
@@ -93,7 +131,12 @@ def point(mode: str, batch: int, chunk: int, max_length: int, device: str, block
         return {k: torch.cat([p[k] for p in parts]).to(device) for k in parts[0].keys()}
 
     q, d = tokenize(queries), tokenize(docs)
-    loss_fn = bb.InfoNCE(temperature=0.05, block_size=block, dense=mode == "dense").to(device)
+    if multivector:  # dense: one block of every query x document similarity
+        loss_fn = bb.MaxSimInfoNCE(temperature=0.05, normalize_query=True, block_size=(
+            batch, batch) if mode == "dense" else block).to(device)
+    else:
+        loss_fn = bb.InfoNCE(temperature=0.05, block_size=block, dense=mode == "dense").to(
+            device)
     towers = {"query": tower, "doc": tower}
 
     def head(x: dict, n: int) -> dict:
@@ -128,8 +171,16 @@ def point(mode: str, batch: int, chunk: int, max_length: int, device: str, block
         {"query": batch, "doc": batch}, dim, chunk_size=chunk if mode != "plain" else batch,
         chunk_activation_bytes=probe * (batch // chunk if mode == "plain" else 1),
         parameter_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
-        block_size=block, dense=mode == "dense", max_block_logits=loss_fn.max_block_logits,
+        block_size=block, dense=mode == "dense",
+        max_block_logits=getattr(loss_fn, "max_block_logits", 2 ** 24),
         accelerators=int(device.startswith("cuda"))).as_mb()
+    if multivector:  # the MaxSim block: its queries x documents x tokens x tokens
+        from bigbatch.maxsim import block_shape
+        bq, bd = (batch, batch) if mode == "dense" else block_shape(
+            batch, batch, max_length, max_length, block, loss_fn.max_block_elements)
+        sims = SIMILARITY_COPIES * bq * bd * max_length ** 2 * 4 / 2 ** 20
+        est["total"] += sims - est["loss_block"]
+        est["loss_block"] = sims
     added = peak - before
     out = {"mode": mode, "batch": batch, "seconds": seconds, "peak_rss_mb": peak,
            "rss_before_step_mb": before, "peak_reset": reset,
@@ -155,6 +206,9 @@ def main() -> None:
                     help="streamed loss block rows (default: InfoNCE's automatic blocks)")
     ap.add_argument("--plain-max", type=int, default=4096, help="largest plain full batch tried")
     ap.add_argument("--dense-max", type=int, default=4096, help="largest dense-loss batch tried")
+    ap.add_argument("--multivector", action="store_true",
+                    help="ColBERT towers (128-d token vectors) and MaxSimInfoNCE: streamed "
+                    "blocks against one dense block; no plain full-batch contender")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per point (default: torch's; 1 on a shared machine)")
@@ -168,12 +222,12 @@ def main() -> None:
     if args.point:
         mode, batch = args.point.split(":")
         print(json.dumps(point(mode, int(batch), args.chunk, args.max_length, args.device,
-                               args.block, args.model)))
+                               args.block, args.model, args.multivector)))
         return
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         for mode, limit in (("streamed", None), ("dense", args.dense_max), ("plain", args.plain_max)):
-            if limit is not None and batch > limit:
+            if (limit is not None and batch > limit) or (args.multivector and mode == "plain"):
                 continue
             cmd = [sys.executable, __file__, "--point", f"{mode}:{batch}", "--chunk",
                    str(args.chunk), "--max-length", str(args.max_length), "--device",
@@ -182,6 +236,8 @@ def main() -> None:
                 cmd += ["--threads", str(args.threads)]
             if args.block is not None:
                 cmd += ["--block", str(args.block)]
+            if args.multivector:
+                cmd.append("--multivector")
             try:
                 # a fixed mmap threshold makes glibc return freed blocks to the system, so
                 # peak RSS follows live memory instead of allocator fragmentation
@@ -199,11 +255,16 @@ def main() -> None:
     result = {"benchmark": "memory", "date": now(), "machine": machine(args.device),
               "command": "python bench/memory.py " + " ".join(sys.argv[1:]),
               "settings": {k: v for k, v in vars(args).items() if k != "point"}
-              | {"model": MODELS[args.model], "data": "SciFact train pairs"},
+              | {"model": MODELS[args.model] + (", ColBERT towers (128-d token vectors), "
+                                                 "MaxSimInfoNCE" if args.multivector else ""),
+                 "data": "SciFact train pairs"},
               "rows": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
     dev = args.device.split(":")[0]
     name = f"memory-{dev}.json" if args.model == "minilm" else f"memory-{dev}-{args.model}.json"
+    if args.multivector:
+        # not memory-*.json: bench/report.py's single-vector tables read those
+        name = "multivector-" + name
     out = Path(args.out or RESULTS / name)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print("\n" + "\n".join(table(rows, args.device)))

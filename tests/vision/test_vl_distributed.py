@@ -1,6 +1,7 @@
 """Vision-language GradCache across 2 gloo ranks: text-query chunks that skip the vision tower
 and image-document chunks that use it do not hang, and every rank's gradient equals the
-single-process float64 reference on the global batch; query-side tuning too."""
+single-process float64 reference on the global batch; query-side tuning, and ColQwen-style
+token embeddings of different lengths on the two ranks, too."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def _record(value):
     ERRORS.append(value)
 
 
-@pytest.mark.parametrize("case", ["standard_full_k1", "standard_lora_k0"])
+@pytest.mark.parametrize("case", ["standard_full_k1", "standard_lora_k0",
+                                  "multivector_full_k1", "multivector_lora_k0"])
 def test_standard_equals_global_reference(results, case):
     for rank, r in enumerate(results):
         res = r[case]
@@ -39,6 +41,8 @@ def test_standard_equals_global_reference(results, case):
         assert res["sync_calls"] == 1, (rank, res)
     assert results[0]["standard_full_k1"]["vision_grads"] > 0  # the vision tower was trained
     assert results[0]["standard_lora_k0"]["vision_grads"] == 0
+    assert results[0]["multivector_full_k1"]["vision_grads"] > 0
+    assert results[0]["multivector_lora_k0"]["vision_grads"] == 0
 
 
 @pytest.mark.parametrize("case", ["qst_batch_gradcache", "qst_batch_direct",

@@ -1,5 +1,6 @@
 """Encoders: towers that turn text (TextEncoder; MultiVectorTextEncoder: one vector per token,
-ColBERT-style) and page images (VisionLanguageEncoder, for Qwen2-VL / Qwen2.5-VL / Qwen3-VL)
+ColBERT-style) and page images (VisionLanguageEncoder, for Qwen2-VL / Qwen2.5-VL / Qwen3-VL;
+MultiVectorVisionEncoder: one vector per token, ColQwen-style)
 into L2-normalised embeddings. All fulfil the contract declared in
 :class:`~bigbatch.encoders.base.EncoderBase`.
 
@@ -11,6 +12,8 @@ from .base import EncoderBase, FrozenDocTower
 from .text import TextEncoder, default_lora_targets
 from .multivector import MultiVectorTextEncoder
 from .vision import VisionLanguageEncoder, is_vision_language_model
+from .colqwen import MultiVectorVisionEncoder
 
 __all__ = ["EncoderBase", "TextEncoder", "MultiVectorTextEncoder", "VisionLanguageEncoder",
+           "MultiVectorVisionEncoder",
            "FrozenDocTower", "default_lora_targets", "load_encoder", "is_vision_language_model"]

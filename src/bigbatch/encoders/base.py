@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from .source import files_key, load_pretrained, model_reference
 
-__all__ = ["EncoderBase", "FrozenDocTower", "pool", "SIDES", "check_side"]
+__all__ = ["EncoderBase", "FrozenDocTower", "pool", "SIDES", "check_side", "scored_rows",
+           "tokens_in_order"]
 
 SIDES = ("query", "doc")
 
@@ -53,6 +54,27 @@ def pool(hidden: Tensor, mask: Tensor, mode: str) -> Tensor:
     t = mask.shape[1]
     idx = t - 1 - mask.flip(1).int().argmax(1)
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
+
+
+def scored_rows(out: Any) -> list[Tensor]:
+    """Per row of a multi-vector encoder's output (:class:`bigbatch.TokenEmbeddings`), its
+    scored tokens' vectors ``(tokens, dim)``, float32 on the CPU."""
+    values, mask = out.values.float().cpu(), out.mask.cpu()
+    return [v[m] for v, m in zip(values, mask)]
+
+
+def tokens_in_order(batches: Iterator[tuple[list[int], list[Tensor]]], n: int,
+                    dim: int) -> Any:
+    """The ``n`` items' scored tokens from ``(indices, rows)`` batches (an encoder's
+    ``encode_tokens``) as one :class:`bigbatch.TokenEmbeddings` padded to the longest item,
+    in input order."""
+    from ..embeddings import stack_rows
+
+    rows: list[Tensor] = [torch.empty(0)] * n
+    for idx, vectors in batches:
+        for i, v in zip(idx, vectors):
+            rows[i] = v
+    return stack_rows(rows, dim)
 
 
 class EncoderBase(nn.Module, ABC):

@@ -75,15 +75,26 @@ _VL_KEYS = _VL_ONLY_KEYS + ("max_length", "normalize")
 
 
 def _load_vision_language(path: Path, meta: dict[str, Any], overrides: dict[str, Any]) -> Any:
+    """A Qwen-VL folder: single-vector, or multi-vector (ColQwen) when its
+    ``bigbatch_encoder.json`` says ``"pooling": "multivector"``."""
+    from .colqwen import MultiVectorVisionEncoder
     from .vision import VisionLanguageEncoder
 
     settings = {k: meta[k] for k in _VL_KEYS if k in meta}
     settings.update({k: v for k, v in overrides.items() if v is not None and k in _VL_KEYS})
+    cls: Any = VisionLanguageEncoder
+    if meta.get("pooling") == "multivector":
+        if overrides.get("pooling") not in (None, "multivector"):
+            raise ConfigError(f"{path} is a multi-vector (ColQwen) model; --pooling "
+                              f"{overrides['pooling']} does not apply to it")
+        cls = MultiVectorVisionEncoder
+        settings.pop("normalize", None)
+        settings.update({k: meta[k] for k in ("dim", "mask_instruction") if k in meta})
     if _is_adapter(path, meta):
         settings["freeze_vision"] = True  # a trained vision tower comes with the adapter
-        enc = _attach_adapter(VisionLanguageEncoder(_adapter_base(path, meta), **settings), path)
+        enc = _attach_adapter(cls(_adapter_base(path, meta), **settings), path)
     else:
-        enc = VisionLanguageEncoder(path, **settings)
+        enc = cls(path, **settings)
     _restore_doc_tower(enc, meta)
     enc.tasks = _tasks(meta, path / "bigbatch_encoder.json")
     return enc

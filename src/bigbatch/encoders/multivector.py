@@ -39,8 +39,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..embeddings import TokenEmbeddings, stack_rows
+from ..embeddings import TokenEmbeddings
 from ..errors import ConfigError
+from .base import scored_rows, tokens_in_order
 from .text import TextEncoder, check_texts
 
 __all__ = ["MultiVectorTextEncoder", "multivector_settings", "QUERY_MARKER", "DOC_MARKER",
@@ -285,20 +286,16 @@ class MultiVectorTextEncoder(TextEncoder):
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         for idx, out in self._encode_batches(texts, side, batch_size, device, progress,
                                              autocast_dtype, order, self.tokenize, "text"):
-            values, mask = out.values.float().cpu(), out.mask.cpu()
-            yield idx, [v[m] for v, m in zip(values, mask)]
+            yield idx, scored_rows(out)
 
     def encode(self, texts: Sequence[str], side: str = "doc", batch_size: int = 64,
                device: torch.device | str | None = None, progress: str | None = None,
                autocast_dtype: torch.dtype | None = None) -> TokenEmbeddings:
         """The scored tokens of ``texts`` as one TokenEmbeddings (float32, on the CPU, padded
         to the longest text), in input order."""
-        rows: list[Tensor] = [torch.empty(0)] * len(texts)
-        for idx, vectors in self.encode_tokens(texts, side, batch_size, device, progress,
-                                               autocast_dtype):
-            for i, v in zip(idx, vectors):
-                rows[i] = v
-        return stack_rows(rows, self.projection.out_features)
+        return tokens_in_order(self.encode_tokens(texts, side, batch_size, device, progress,
+                                                  autocast_dtype), len(texts),
+                               self.projection.out_features)
 
     # -------------------------------------------------------------- saving
     def settings(self) -> dict[str, Any]:

@@ -300,6 +300,16 @@ class VisionLanguageEncoder(EncoderBase):
     def _embed(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
                pixel_values: Tensor | None = None, image_grid_thw: Tensor | None = None,
                mm_token_type_ids: Tensor | None = None) -> Tensor:
+        hidden = self.hidden_states(model, input_ids, attention_mask, pixel_values,
+                                    image_grid_thw, mm_token_type_ids)
+        emb = pool(hidden, attention_mask, "last")
+        return nn.functional.normalize(emb, dim=-1) if self.normalize else emb
+
+    def hidden_states(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                      pixel_values: Tensor | None = None, image_grid_thw: Tensor | None = None,
+                      mm_token_type_ids: Tensor | None = None) -> Tensor:
+        """The last hidden states ``(rows, tokens, hidden)`` of ``model`` for one chunk of
+        inputs (text-only rows get explicit positions; the rope state is reset around)."""
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask,
                                   "use_cache": False}
         if pixel_values is not None:
@@ -311,11 +321,9 @@ class VisionLanguageEncoder(EncoderBase):
             kwargs["position_ids"] = pos.unsqueeze(0).expand(3, -1, -1)
         self.reset_rope_state(model)
         try:
-            hidden = model(**kwargs).last_hidden_state
+            return model(**kwargs).last_hidden_state
         finally:
             self.reset_rope_state(model)
-        emb = pool(hidden, attention_mask, "last")
-        return nn.functional.normalize(emb, dim=-1) if self.normalize else emb
 
     def encode(self, items: Sequence[Any], side: str = "doc", batch_size: int = 16,
                device: torch.device | str | None = None, progress: str | None = None,

@@ -80,17 +80,21 @@ def build_encoder(config: TrainConfig, records: Sequence, lora_r: int) -> Any:
             enc = TextEncoder(config.model, pooling=config.pooling, **common, **extra)
         _check_max_length(config, enc.model.config)
         return enc
-    if config.pooling == "multivector":
-        raise ConfigError(f"--pooling multivector is for text models; {config.model} is a "
-                          f"vision-language model")
+    if config.query_length:
+        raise ConfigError(f"--query-length: query expansion with mask tokens is for text "
+                          f"models; {config.model} is a vision-language model")
     if config.exclude_instruction_from_pooling:
         raise ConfigError(f"--exclude-instruction-from-pooling: {config.model} is a "
                           f"vision-language model, pooled by its last token (never an "
                           f"instruction token); leave the option out")
+    from ..encoders.colqwen import MultiVectorVisionEncoder
     from ..encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
 
-    return VisionLanguageEncoder(
-        config.model, query_instruction=config.query_instruction or QUERY_INSTRUCTION,
+    # --pooling multivector: ColQwen-style, one projected vector per token
+    cls, extra = (MultiVectorVisionEncoder, {"dim": config.multivector_dim}) \
+        if config.pooling == "multivector" else (VisionLanguageEncoder, {})
+    return cls(
+        config.model, **extra, query_instruction=config.query_instruction or QUERY_INSTRUCTION,
         doc_instruction=config.doc_instruction or DOC_INSTRUCTION,
         max_num_visual_tokens=config.max_num_visual_tokens,
         min_num_visual_tokens=config.min_num_visual_tokens, max_length=config.max_length,

@@ -306,7 +306,8 @@ class TrainConfig:
                               "negative; set num_hard_negatives to 0")
 
     def _validate_multivector(self, bad: Any) -> None:
-        """The options of ``--pooling multivector`` (late interaction, text models)."""
+        """The options of ``--pooling multivector`` (late interaction: ColBERT-style text
+        models, ColQwen-style vision-language models)."""
         if self.multivector_dim <= 0:
             raise bad("multivector_dim", "must be > 0")
         if self.query_length < 0 or self.query_length == 1:
@@ -317,8 +318,9 @@ class TrainConfig:
             return
         if self.mode != "standard":
             raise bad("mode", "--pooling multivector trains both towers: 'standard' only")
-        if self.encoder == "vision-language":
-            raise bad("encoder", "--pooling multivector is for text models")
+        if self.query_length and self.encoder == "vision-language":
+            raise bad("query_length", "applies to text models (query expansion with mask "
+                                      "tokens); not to vision-language models")
         if self.query_length and self.query_max_length is not None:
             raise ConfigError("--query-max-length does not apply with --query-length (queries "
                               "are padded and cut to --query-length tokens)")
