@@ -132,8 +132,8 @@ def resolve_record(r: Record, problems: list[Problem], data_root: str | Path | N
     (compared as training compares them: resolved image paths, file contents and texts), and
     whatever the reader found in the record that it cannot hold (``r.lost``). The record is
     usable when nothing was reported. ``check_image_file``: as :func:`resolve_doc`."""
-    for field, why in r.lost:
-        problems.append(Problem(r.source, r.line, field, f"{why} cannot be represented; "
+    for name, why in r.lost:
+        problems.append(Problem(r.source, r.line, name, f"{why} cannot be represented; "
                                 f"`bigbatch convert --allow-lossy` drops such records"))
     base = source_folder(r) or Path(".")
     positive = resolve_doc(r.positive, base, r.source, r.line, problems, "positive", data_root,
