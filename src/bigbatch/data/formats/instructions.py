@@ -46,19 +46,38 @@ class SystemCounts:
                 self.counts[side][v] += 1
                 self.first[side].setdefault(v, r.line)
 
+    @staticmethod
+    def document_problems(r: Record) -> list[Problem]:
+        """The negatives of ``r`` whose system prompt is not the positive's: found from the
+        record alone, before the whole file is counted."""
+        return [Problem(r.source, r.line, d.key, f"system prompt {_short(d.system)} differs "
+                        f"from the positive's {_short(r.positive.system or '')}; bigbatch "
+                        f"gives every document one instruction")
+                for d in r.negatives if d.system is not None and d.system != r.positive.system]
+
+    def side_problem_count(self) -> int:
+        """How many records' prompts differ from their side's usual one (what
+        :meth:`problems` reports beside :meth:`document_problems`), from the counts alone."""
+        return sum(sum(c.values()) - c.most_common(1)[0][1]
+                   for c in self.counts.values() if len(c) > 1)
+
+    def prompts(self) -> dict[str, str]:
+        """:func:`system_prompts` of the records counted."""
+        out = {}
+        for side, c in self.counts.items():
+            found = set(c) - {""}
+            if len(found) == 1:
+                out[side] = found.pop()
+        return out
+
     def differ(self) -> bool:
         """Whether some side has two system prompts (then :meth:`problems` finds them)."""
         return any(len(c) > 1 for c in self.counts.values())
 
     def problems(self, r: Record) -> list[Problem]:
-        """What :func:`instruction_problems` reports on record ``r`` (counted before)."""
-        out = []
-        for d in r.negatives:
-            if d.system is not None and d.system != r.positive.system:
-                out.append(Problem(r.source, r.line, d.key, f"system prompt "
-                                   f"{_short(d.system)} differs from the positive's "
-                                   f"{_short(r.positive.system or '')}; bigbatch gives "
-                                   f"every document one instruction"))
+        """What :func:`instruction_problems` reports on record ``r`` (counted before):
+        :meth:`document_problems`, then its prompts that differ from the file's usual ones."""
+        out = self.document_problems(r)
         for side, get, field in _SIDES:
             counts = self.counts[side]
             if len(counts) < 2:
