@@ -12,12 +12,12 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from .data.formats import (FORMATS, READ_ONLY_FORMATS, SWIFT_DOC_INSTRUCTION,
-                           SWIFT_QUERY_INSTRUCTION)
+                           SWIFT_QUERY_INSTRUCTION, Problem, Record)
 from .encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
 from .errors import BigBatchError, ConfigError
 
@@ -558,8 +558,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .data.formats import detect_format, read_records, write_records
-    from .data.records import paths_outside
+    from .data.formats import detect_format, stream_records, write_records
 
     src_format = args.src_format
     if src_format is None and Path(args.input).exists():
@@ -568,17 +567,15 @@ def _convert(args: argparse.Namespace) -> int:
         return _convert_colpali(args)
     if args.dst_format is None:
         raise ConfigError("convert needs --to (one of " + ", ".join(FORMATS) + ")")
-    records, problems = read_records(args.input, args.src_format, args.split)
-    problems += paths_outside(records, args.data_root)
-    if problems:
-        for p in problems[:20]:
-            print(p, file=sys.stderr)
-        raise ConfigError(f"{len(problems)} problem(s) in {args.input}; run `bigbatch validate` "
-                          f"and fix them first")
-    report = write_records(records, args.output, args.dst_format, allow_lossy=args.allow_lossy,
+    # read and written one record at a time; a problem found stops it before the output
+    # takes its place (write_records writes it under a temporary name until then)
+    report = write_records(_checked_records(args), args.output, args.dst_format,
+                           allow_lossy=args.allow_lossy,
                            query_instruction=args.query_instruction,
-                           doc_instruction=args.doc_instruction, split=args.split)
-    print(f"converted {len(records)} records -> {report['written']} written as "
+                           doc_instruction=args.doc_instruction, split=args.split,
+                           reread=lambda: stream_records(args.input, args.src_format,
+                                                         args.split, []))
+    print(f"converted {report['read']} records -> {report['written']} written as "
           f"{args.dst_format} to {args.output}" +
           (f"; dropped {report['dropped']}: {'; '.join(report['dropped_reasons'])}"
            if report["dropped"] else ""))
@@ -594,6 +591,29 @@ def _convert(args: argparse.Namespace) -> int:
               f"({args.dst_format} has no field for it); train with --{flag}-instruction "
               f"{prompt!r} (vision-language) or --{flag}-prefix {prompt + ' '!r} (text)")
     return 0
+
+
+def _checked_records(args: argparse.Namespace) -> Iterator[Record]:
+    """The records of ``convert``'s input, one at a time; once all are read, the problems
+    found (reading, files outside ``--data-root``) are printed and raise.
+
+    Raises:
+        ConfigError: a problem in the input.
+    """
+    from .data.formats import stream_records
+    from .data.records import paths_outside
+
+    problems: list[Problem] = []
+    outside: list[Problem] = []
+    for r in stream_records(args.input, args.src_format, args.split, problems):
+        outside += paths_outside([r], args.data_root)
+        yield r
+    problems += outside
+    if problems:
+        for p in problems[:20]:
+            print(p, file=sys.stderr)
+        raise ConfigError(f"{len(problems)} problem(s) in {args.input}; run `bigbatch validate` "
+                          f"and fix them first")
 
 
 def _convert_colpali(args: argparse.Namespace) -> int:

@@ -35,9 +35,7 @@ dropped silently: conversion stops with a report, or drops it and reports it whe
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +43,11 @@ from ...errors import DataError
 from ..files import open_data_file
 from ..jsonl import open_jsonl
 from ..shards import is_shard_folder, shard_files
-from ..types import Doc, Problem, Record, source_folder
+from ..types import Doc, Problem, Record
 from . import beir, colpali, contrastors, st, swift
 from .common import Format, WriteOptions
-from .instructions import instruction_problems, record_systems, system_prompts
+from .instructions import instruction_problems, system_prompts
+from .output import KeptRecords, staged
 from .swift import SWIFT_DOC_INSTRUCTION, SWIFT_QUERY_INSTRUCTION
 
 __all__ = ["Doc", "Record", "Problem", "Format", "FORMATS", "READ_ONLY_FORMATS", "read_records",
@@ -201,73 +200,58 @@ def check_output(out: str | Path, fmt: str) -> None:
                         path=str(out))
 
 
-def _lossy(records: list[Record], f: Format) -> list[tuple[Record, str]]:
-    """What format ``f`` cannot hold, per record."""
-    out = []
-    for r in records:
-        why = "; ".join(f"{k}: {what} cannot be represented" for k, what in r.lost) \
-            if r.lost else f.cannot_hold(r)
-        if why is not None:
-            out.append((r, why))
-    return out
-
-
-def _rebase(r: Record, out_dir: Path) -> Record:
-    """``r`` with each relative image or text-file path resolved against its source's folder
-    and written relative to ``out_dir`` (where readers of the output resolve it); absolute
-    paths are kept as they are."""
-    base = source_folder(r)
-    if base is None:
-        return r
-
-    def doc(d: Doc) -> Doc:
-        ref = d.image or d.path
-        if ref is None or Path(os.path.expanduser(ref)).is_absolute():  # "~/x.png" is absolute
-            return d
-        new = os.path.relpath(os.path.abspath(base / ref), os.path.abspath(out_dir))
-        return replace(d, image=new) if d.image else replace(d, path=new)
-
-    return replace(r, positive=doc(r.positive), negatives=[doc(d) for d in r.negatives])
-
-
-def write_records(records: list[Record], out: str | Path, fmt: str, *, allow_lossy: bool = False,
+def write_records(records: Iterable[Record], out: str | Path, fmt: str, *,
+                  allow_lossy: bool = False,
                   query_instruction: str = SWIFT_QUERY_INSTRUCTION,
-                  doc_instruction: str = SWIFT_DOC_INSTRUCTION,
-                  split: str = "train") -> dict[str, Any]:
-    """Write ``records`` as ``fmt``; returns a report. An output suffix ``fmt`` does not write
-    is refused (:func:`check_output`). What ``fmt`` cannot hold raises
-    :class:`DataError` listing the records, unless ``allow_lossy`` (then it is dropped and
-    counted in the report). Relative image and text-file paths are rebased from each
-    record's source folder to the output's folder, so they name the same files."""
+                  doc_instruction: str = SWIFT_DOC_INSTRUCTION, split: str = "train",
+                  reread: Callable[[], Iterable[Record]] | None = None) -> dict[str, Any]:
+    """Write ``records`` (a list, or any iterable: read once, one record at a time, and
+    written as it comes) as ``fmt``; returns a report (``read``: the records given,
+    ``written``, ``dropped``, ...). An output suffix ``fmt`` does not write is refused
+    (:func:`check_output`). What ``fmt`` cannot hold raises :class:`DataError` listing the
+    records, unless ``allow_lossy`` (then it is dropped and counted in the report). Relative
+    image and text-file paths are rebased from each record's source folder to the output's
+    folder, so they name the same files.
+
+    The output is written under a temporary name beside ``out`` and takes its place only
+    when no record was refused (:func:`.output.staged`): an error, here or raised by
+    ``records`` while it is read, leaves ``out`` as it was. ``reread`` gives the records
+    again, to name those whose system prompts differ when that refuses the conversion
+    (default: ``records`` itself when it is a list or tuple)."""
     out = Path(out)
     check_output(out, fmt)
     f = _TABLE[fmt]
-    lossy = _lossy(records, f)
-    if lossy and not allow_lossy:
-        shown = "\n  ".join(f"{r.source}:{r.line}: {why}" for r, why in lossy[:10])
-        raise DataError(f"{len(lossy)} record(s) cannot be written as {fmt} without loss:\n  "
-                        f"{shown}\nconvert to another format, or pass --allow-lossy to drop "
-                        f"them (they are counted in the report)")
-    dropped = {id(r) for r, _ in lossy}
-    out_dir = out if f.writes_folder else out.parent
-    keep = [_rebase(r, out_dir) for r in records if id(r) not in dropped]
-    report = {"format": fmt, "written": len(keep), "dropped": len(lossy),
-              "dropped_reasons": sorted({why for _, why in lossy}), "system_prompts": {},
-              "system_prompts_dropped": 0, "system_prompts_kept": 0}
-    if f.instructions:  # the records' own system messages win over the instruction options
-        report["system_prompts_kept"] = sum(
-            any(v is not None for v in record_systems(r)) for r in keep)
-    else:  # per-record system prompts have no field in the target
-        differ = instruction_problems(keep)
-        if differ and not allow_lossy:
-            shown = "\n  ".join(str(p) for p in differ[:10])
-            raise DataError(f"{len(differ)} record(s) carry system prompts that differ, which "
-                            f"{fmt} cannot hold (it has no instruction field):\n  {shown}\n"
-                            f"convert to swift, split the file by instruction, or pass "
-                            f"--allow-lossy to write the records without their system prompts "
-                            f"(counted in the report)")
-        report["system_prompts_dropped"] = sum(
-            any(record_systems(r)) for r in keep) if differ else 0
-        report["system_prompts"] = {} if differ else system_prompts(keep)
-    f.write(keep, out, WriteOptions(query_instruction, doc_instruction, split))
+    if reread is None and isinstance(records, (list, tuple)):
+        reread = lambda: records  # noqa: E731
+    kept = KeptRecords(f, out if f.writes_folder else out.parent)
+    with staged(out, f.writes_folder) as tmp:
+        error = None
+        try:
+            f.write(kept(records), tmp, WriteOptions(query_instruction, doc_instruction, split))
+        except DataError as e:  # a writer's refusal comes after those below
+            if not kept.done:
+                raise
+            error = e if e.path != str(tmp) else \
+                DataError(e.message, path=str(out), line=e.line, field=e.field)
+        if kept.dropped_count and not allow_lossy:
+            shown = "\n  ".join(kept.dropped)
+            raise DataError(f"{kept.dropped_count} record(s) cannot be written as {fmt} without "
+                            f"loss:\n  {shown}\nconvert to another format, or pass "
+                            f"--allow-lossy to drop them (they are counted in the report)")
+        report = kept.report(fmt)
+        if f.instructions:  # the records' own system messages win over the instruction options
+            report["system_prompts_kept"] = kept.with_system
+        else:  # per-record system prompts have no field in the target
+            differ = kept.prompt_problems()
+            if differ and not allow_lossy:
+                shown = "\n  ".join(str(p) for p in kept.shown_prompt_problems(reread))
+                raise DataError(f"{differ} record(s) carry system prompts that differ, which "
+                                f"{fmt} cannot hold (it has no instruction field):\n  {shown}\n"
+                                f"convert to swift, split the file by instruction, or pass "
+                                f"--allow-lossy to write the records without their system "
+                                f"prompts (counted in the report)")
+            report["system_prompts_dropped"] = kept.with_prompt if differ else 0
+            report["system_prompts"] = {} if differ else kept.systems.prompts()
+        if error is not None:
+            raise error
     return report

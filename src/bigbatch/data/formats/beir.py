@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..beir import read_beir
@@ -36,7 +37,7 @@ def cannot_hold(r: Record) -> str | None:
     return why
 
 
-def write(records: list[Record], out: Path, options: WriteOptions) -> None:
+def write(records: Iterable[Record], out: Path, options: WriteOptions) -> None:
     """Write ``records`` as a BEIR directory ``out`` with the qrels of ``options.split``;
     queries and documents without ids are named by a hash of their text."""
     (out / "qrels").mkdir(parents=True, exist_ok=True)

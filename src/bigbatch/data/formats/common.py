@@ -49,7 +49,9 @@ class Format:
     ``detect_path`` recognises it from the path alone (a folder, a table file);
     ``detect_keys`` from the keys of a JSONL file's first record. ``read(path, problems,
     split)`` returns the records and adds what it finds wrong to ``problems``. ``write(records,
-    out, options)`` writes records it can hold; None for a format read only by conversion.
+    out, options)`` writes records it can hold, reading the iterable ``records`` once and
+    writing each record as it comes (a refusal is raised once every record was read); None
+    for a format read only by conversion.
     ``cannot_hold(record)`` says why a record cannot be written without loss (None if it
     can). ``instructions``: the format holds each record's system prompts (swift).
     ``writes_folder``: the output is a folder, which relative paths are rebased against.
@@ -61,7 +63,7 @@ class Format:
     read: Callable[[Path, list[Problem], str], list[Record]]
     detect_path: Callable[[Path], bool] | None = None
     detect_keys: Callable[[set], bool] | None = None
-    write: Callable[[list[Record], Path, WriteOptions], None] | None = None
+    write: Callable[[Iterable[Record], Path, WriteOptions], None] | None = None
     cannot_hold: Callable[[Record], str | None] = _holds_all
     instructions: bool = False
     writes_folder: bool = False

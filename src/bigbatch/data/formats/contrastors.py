@@ -7,6 +7,7 @@ Detected for JSONL that neither swift nor st claims."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,7 @@ def to_json(r: Record) -> dict[str, Any]:
     return rec
 
 
-def write(records: list[Record], out: Path, options: WriteOptions) -> None:
+def write(records: Iterable[Record], out: Path, options: WriteOptions) -> None:
     """Write ``records`` as contrastors JSONL."""
     write_jsonl(out, (to_json(r) for r in records))
 

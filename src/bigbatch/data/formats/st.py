@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import csv
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from ...errors import DataError
 from ..files import open_data_file
@@ -165,48 +166,138 @@ def _columns(cols: list[str]) -> str:
     return f"{'one column' if len(cols) == 1 else 'columns'} {', '.join(map(repr, cols))}"
 
 
-def _write_parquet(records: list[Record], out: Path) -> None:
+_ROW_GROUP = 4096  # rows of a Parquet row group, written as they come
+
+
+class _Shape:
+    """The shape of the table the records make, as they pass: the first record's negatives
+    and teacher scores (the columns), and what the refusals name once all are seen (the
+    first record of each number of negatives, the first without scores)."""
+
+    def __init__(self) -> None:
+        self.count = self.k = 0
+        self.first: dict[int, tuple[int, Record]] = {}  # negatives -> (its first record)
+        self.scored = self.fits = False
+        self.any_scored = False
+        self.unscored: Record | None = None
+
+    def add(self, r: Record) -> bool:
+        """Count ``r``; whether it fits the columns of the first record (and every record
+        before it did): only then is it written."""
+        k, scored = len(r.negatives), bool(_score_fields(r))
+        self.first.setdefault(k, (self.count, r))
+        self.any_scored |= scored
+        if not scored and self.unscored is None:
+            self.unscored = r
+        if not self.count:
+            self.k, self.scored, self.fits = k, scored, True
+        self.fits = self.fits and k == self.k and scored == self.scored
+        self.count += 1
+        return self.fits
+
+    def columns(self) -> int:
+        """The number of negative columns (the most negatives a record has)."""
+        return max(self.first, default=0)
+
+    def scores_error(self, out: Path) -> DataError | None:
+        """Some records have teacher scores and others not (a table needs all or none)."""
+        if not (self.any_scored and self.unscored is not None):
+            return None
+        first = self.unscored
+        return DataError(f"some records carry teacher scores and others not ({first.source}:"
+                         f"{first.line} has none); table columns need them in every record or "
+                         f"in none: write JSONL (.jsonl), or drop the scores", path=str(out))
+
+
+def _write_parquet(records: Iterable[Record], out: Path) -> None:
+    """Parquet, a row group of :data:`_ROW_GROUP` rows at a time (pyarrow's ParquetWriter)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    k = max((len(r.negatives) for r in records), default=0)
-    if any(len(r.negatives) != k for r in records):
-        raise DataError("sentence-transformers columns need the same number of negatives "
-                        "in every record", path=str(out))
-    cols: dict[str, list] = {"anchor": [r.query for r in records],
-                             "positive": [r.positive.text for r in records]}
-    for i in range(k):
-        cols[f"negative_{i + 1}"] = [r.negatives[i].text for r in records]
-    if _all_scored(records, out):
-        cols["pos_score"] = [r.positive.score for r in records]
-        for i in range(k):
-            cols[f"neg_score_{i + 1}"] = [r.negatives[i].score for r in records]
+    shape, rows, writer = _Shape(), [], None
     out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table(cols), out)
+    try:
+        for r in records:
+            if shape.add(r):
+                rows.append(r)
+            if len(rows) >= _ROW_GROUP:
+                writer = _write_rows(rows, shape, out, writer)
+        if len(shape.first) > 1:
+            raise DataError("sentence-transformers columns need the same number of negatives "
+                            "in every record", path=str(out))
+        error = shape.scores_error(out)
+        if error is not None:
+            raise error
+        if not shape.count:  # no column to type: the columns' names only
+            pq.write_table(pa.table({"anchor": [], "positive": []}), out)
+        elif rows:
+            writer = _write_rows(rows, shape, out, writer)
+    finally:
+        if writer is not None:
+            writer.close()
 
 
-def _write_csv(records: list[Record], out: Path) -> None:
-    k = max((len(r.negatives) for r in records), default=0)
-    scored = _all_scored(records, out)
+def _write_rows(rows: list[Record], shape: _Shape, out: Path, writer: Any) -> Any:
+    """Write ``rows`` as one row group (opening the writer on the first); clears ``rows``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    k = shape.k
+    cols: dict[str, list] = {"anchor": [r.query for r in rows],
+                             "positive": [r.positive.text for r in rows]}
+    for i in range(k):
+        cols[f"negative_{i + 1}"] = [r.negatives[i].text for r in rows]
+    if shape.scored:
+        cols["pos_score"] = [r.positive.score for r in rows]
+        for i in range(k):
+            cols[f"neg_score_{i + 1}"] = [r.negatives[i].score for r in rows]
+    schema = pa.schema([(name, pa.float64() if "score" in name else pa.string())
+                        for name in cols])
+    if writer is None:
+        writer = pq.ParquetWriter(out, schema)
+    writer.write_table(pa.table(cols, schema=schema))
+    rows.clear()
+    return writer
+
+
+def _write_csv(records: Iterable[Record], out: Path) -> None:
+    shape = _Shape()
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["anchor", "positive", *(f"negative_{i + 1}" for i in range(k))]
-                   + (["pos_score", *(f"neg_score_{i + 1}" for i in range(k))] if scored else []))
         for r in records:
-            if len(r.negatives) != k:
-                raise DataError("CSV columns need the same number of negatives in every "
-                                f"record ({r.source}:{r.line} has {len(r.negatives)}, "
-                                f"another {k})", path=str(out))
+            if not shape.add(r):
+                continue
+            if shape.count == 1:
+                _csv_header(w, shape.k, shape.scored)
             w.writerow([r.query, r.positive.text, *(d.text for d in r.negatives)]
-                       + ([r.positive.score, *(d.score for d in r.negatives)] if scored else []))
+                       + ([r.positive.score, *(d.score for d in r.negatives)]
+                          if shape.scored else []))
+        if not shape.count:
+            _csv_header(w, 0, False)
+    error = shape.scores_error(out)
+    if error is not None:
+        raise error
+    if len(shape.first) > 1:
+        k = shape.columns()
+        _, r = min(v for n, v in shape.first.items() if n != k)
+        raise DataError("CSV columns need the same number of negatives in every "
+                        f"record ({r.source}:{r.line} has {len(r.negatives)}, "
+                        f"another {k})", path=str(out))
 
 
-def write(records: list[Record], out: Path, options: WriteOptions) -> None:
-    """Write ``records`` as Parquet (``.parquet``), CSV (``.csv``) or JSONL (else).
+def _csv_header(w: Any, k: int, scored: bool) -> None:
+    w.writerow(["anchor", "positive", *(f"negative_{i + 1}" for i in range(k))]
+               + (["pos_score", *(f"neg_score_{i + 1}" for i in range(k))] if scored else []))
+
+
+def write(records: Iterable[Record], out: Path, options: WriteOptions) -> None:
+    """Write ``records`` as Parquet (``.parquet``), CSV (``.csv``) or JSONL (else), each
+    record as it comes (Parquet a row group at a time).
 
     Raises:
-        DataError: Parquet or CSV, and records with different numbers of negatives.
+        DataError: Parquet or CSV, and records with different numbers of negatives, or
+            some with teacher scores and others not (once every record was read).
     """
     if out.suffix.lower() == ".parquet":
         _write_parquet(records, out)
@@ -225,20 +316,6 @@ def _score_fields(r: Record) -> dict[str, float]:
         return {}
     return {"pos_score": r.positive.score,
             **{f"neg_score_{i + 1}": d.score for i, d in enumerate(r.negatives)}}
-
-
-def _all_scored(records: list[Record], out: Path) -> bool:
-    """Whether every record has teacher scores (a table's columns need all or none).
-
-    Raises:
-        DataError: some records have them and others not."""
-    scored = [bool(_score_fields(r)) for r in records]
-    if any(scored) and not all(scored):
-        first = next(r for r, s in zip(records, scored) if not s)
-        raise DataError(f"some records carry teacher scores and others not ({first.source}:"
-                        f"{first.line} has none); table columns need them in every record or "
-                        f"in none: write JSONL (.jsonl), or drop the scores", path=str(out))
-    return any(scored)
 
 
 FORMAT = Format("st", read, detect_path=detect_path, detect_keys=detect_keys, write=write,

@@ -15,6 +15,7 @@ Each conversation's system message is read as its instruction and written back a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +207,7 @@ def to_json(r: Record, query_instruction: str, doc_instruction: str) -> dict[str
     return rec
 
 
-def write(records: list[Record], out: Path, options: WriteOptions) -> None:
+def write(records: Iterable[Record], out: Path, options: WriteOptions) -> None:
     """Write ``records`` as swift JSONL."""
     write_jsonl(out, (to_json(r, options.query_instruction, options.doc_instruction)
                       for r in records))
