@@ -30,6 +30,12 @@ reader checks them against the record's negatives (:func:`.common.with_scores`).
 
 What a target format cannot hold (an image in ``st``, negatives in ``beir``) is never
 dropped silently: conversion stops with a report, or drops it and reports it when asked.
+
+Sources are read one record at a time (:func:`stream_records`: JSONL by line, Parquet and
+Arrow by record batch, shard folders shard by shard; a BEIR directory whole, as training
+reads it) and written as the records come (:func:`write_records`: JSONL line by line,
+Parquet a row group at a time), so ``bigbatch validate`` and ``bigbatch convert`` hold no
+list of records; :func:`read_records` is the list of the same stream.
 """
 
 from __future__ import annotations
@@ -214,10 +220,10 @@ def write_records(records: Iterable[Record], out: str | Path, fmt: str, *,
     folder, so they name the same files.
 
     The output is written under a temporary name beside ``out`` and takes its place only
-    when no record was refused (:func:`.output.staged`): an error, here or raised by
-    ``records`` while it is read, leaves ``out`` as it was. ``reread`` gives the records
-    again, to name those whose system prompts differ when that refuses the conversion
-    (default: ``records`` itself when it is a list or tuple)."""
+    when no record was refused (:func:`~bigbatch.data.formats.output.staged`): an error,
+    here or raised by ``records`` while it is read, leaves ``out`` as it was. ``reread``
+    gives the records again, to name those whose system prompts differ when that refuses
+    the conversion (default: ``records`` itself when it is a list or tuple)."""
     out = Path(out)
     check_output(out, fmt)
     f = _TABLE[fmt]

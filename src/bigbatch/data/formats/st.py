@@ -1,9 +1,9 @@
 """The ``st`` format: sentence-transformers columns ``anchor``, ``positive``,
 ``negative_1..k``, as JSONL (``.jsonl``), Parquet (``.parquet``), CSV with a header
 (``.csv``), or a folder written by ``datasets``' ``save_to_disk`` (a DatasetDict's
-``--split``); Parquet and Arrow are streamed a record batch at a time. Text only. Teacher
-scores (for distillation) are the columns ``pos_score`` and ``neg_score_1..k``, one per
-negative in the negatives' order.
+``--split``); Parquet and Arrow are streamed a record batch at a time, and Parquet is
+written a row group at a time. Text only. Teacher scores (for distillation) are the columns
+``pos_score`` and ``neg_score_1..k``, one per negative in the negatives' order.
 
 Without an ``anchor`` column the columns are read by position, as sentence-transformers'
 losses take them (``query, positive, negative``, ``question, answer``); a ``label`` or
