@@ -364,3 +364,14 @@ def test_training_from_the_index_resumes_exactly_and_equals_training_from_memory
                         load_records(source, split, k, root))
     train(run("from-memory"))
     assert losses("from-memory") == losses("straight")
+
+
+def test_a_negative_whose_swift_prompt_differs_is_refused_by_the_index_as_by_the_loader(tmp_path):
+    """Only the negative's system prompt differs (every side's prompts agree otherwise): the
+    index refuses it in its first pass, with the same message as the loader."""
+    f = _swift(tmp_path)
+    rows = [json.loads(line) for line in f.read_text().splitlines()]
+    rows[1]["negative_messages"][0][0]["content"] = "Other."
+    _write_jsonl(f, rows)
+    msg = _error(lambda: open_records(f, cache_dir=tmp_path / "c"))
+    assert msg == _error(lambda: load_records(f)) and f"{f}:2" in msg and "differs" in msg

@@ -321,6 +321,7 @@ def _build(source: Path, split: str, fmt: str, kind: str, files: list[Path],
         total = 0
         for r in stream_records(source, fmt, split, problems):
             counts.add(r)
+            problems.extend(SystemCounts.document_problems(r))  # needs the record alone
             t = train_record(r, problems, data_root)
             if t is None:
                 continue
@@ -340,7 +341,8 @@ def _build(source: Path, split: str, fmt: str, kind: str, files: list[Path],
         flush()
         if counts.differ():  # a second pass names every record whose prompt differs
             for r in stream_records(source, fmt, split, []):
-                problems.extend(counts.problems(r))
+                # counts.problems(r) begins with r's document problems, found in the first pass
+                problems.extend(counts.problems(r)[len(SystemCounts.document_problems(r)):])
         raise_problems(problems, total, source)
         dtypes = {"part": np.int32, "line": np.int64, "pos": np.int64, "end": np.int64,
                   "negs": np.int32}
