@@ -9,6 +9,7 @@ An ``Image`` feature is stored in Parquet and Arrow as a struct ``{bytes, path}`
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,7 @@ def colpali_columns(path: str | Path, split: str = "train") -> dict[str, list[st
     if not ((path.is_dir() and is_hf_dataset(path)) or
             (path.is_file() and path.suffix.lower() == ".parquet")):
         return None
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:  # pragma: no cover
+    if importlib.util.find_spec("pyarrow") is None:  # pragma: no cover
         return None
     files = table_files(path, split) if not path.is_dir() or has_split(path, split) else []
     if not files:
