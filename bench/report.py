@@ -202,6 +202,8 @@ def pylate_section(paths: list[Path]) -> list[str]:
             f"{k.split('_')[0]} {c[k]['loss']:.10f}" for k in c) + "; largest relative "
             "difference " + f"{max(x['relative_difference_to_pylate']['loss'] for x in c.values()):.1e}.",
             ""]
+        if r.get("note"):  # how the run was taken, added to the result file by hand
+            lines += [r["note"], ""]
     return lines
 
 
