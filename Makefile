@@ -46,7 +46,8 @@ demo: $(STAMP)
 
 # Two sources in one run, each batch from one (configs/demo_mix.yaml): SciFact train and
 # title -> abstract pairs bigbatch makes from SciFact's abstracts, with their own instruction.
-MIX_DATA := runs/demo-mix-data  # the paths configs/demo_mix.yaml reads
+# the paths configs/demo_mix.yaml reads (no comment after a value: make keeps its spaces)
+MIX_DATA := runs/demo-mix-data
 demo-mix: $(STAMP)
 	mkdir -p $(MIX_DATA)
 	ln -sfn "$(abspath $(SCIFACT))" $(MIX_DATA)/scifact
