@@ -136,8 +136,6 @@ def test_parquet_is_streamed_by_record_batch_with_row_numbers(tmp_path, monkeypa
 
 
 def test_csv_with_header_bom_crlf_and_quoted_newlines(tmp_path, capsys):
-    from bigbatch.cli import main
-
     src = tmp_path / "t.csv"
     src.write_bytes(b"\xef\xbb\xbfanchor,positive,negative\r\n"
                     + b"q1,\"a passage\r\non two lines\",n1\r\n"

@@ -48,11 +48,12 @@ def run_case(*, k=1, sizes=(4, 4), shared=False, symmetric=False, ids=False, blo
     loss_fn = bb.MaxSimInfoNCE(temperature=0.1, learnable_temperature=learnable,
                                symmetric=symmetric, normalize_query=normalize,
                                block_size=block_size).to(DT)
-    loss_used = loss_fn
     if generic:  # a user's late-interaction loss without the cross-device protocol
         def loss_used(query, doc):
             return naive_maxsim_loss(loss_fn, query, doc)
         loss_used.token_inputs = ("query", "doc")
+    else:
+        loss_used = loss_fn
     batches = local_batches(sizes, k)
     doc_ids = None
     if ids:  # duplicates within and across ranks
