@@ -69,8 +69,13 @@ def engine_case(stage: int, dtype: torch.dtype = torch.float64, chunk: int = 3,
     torch.manual_seed(0)
     model = TokenTower(p=0.1).to(dtype)
     loss_fn = bb.InfoNCE(temperature=0.1, learnable_temperature=True).to(dtype)
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage),
-                                      model_parameters=list(model.parameters()))
+    try:
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage),
+                                          model_parameters=list(model.parameters()))
+    except AssertionError as e:  # ZeRO-3's zero.Init takes half, bfloat16 or float weights
+        if stage == 3 and dtype == torch.float64:
+            return {"refused": str(e), "dtype": str(dtype)}
+        raise
     cache = deepspeed_cache(engine, loss_fn, chunk_size=chunk)
     engine.train()
     gen = torch.Generator().manual_seed(11)
@@ -105,6 +110,7 @@ def engine_case(stage: int, dtype: torch.dtype = torch.float64, chunk: int = 3,
             for p in loss_fn.parameters():
                 p -= 1e-2 * p.grad
     return {"rel_err": max(errors), "loss_err": max(loss_errs), "reductions": reductions,
+            "dtype": str(dtype),
             "n_grads": len(ref), "grad_dtype": str(got["m.emb.weight"].dtype),
             "weights_moved": float((full_weights(engine, stage)["emb.weight"]
                                     - ref_model.emb.weight.detach()).abs().max())}
@@ -113,9 +119,10 @@ def engine_case(stage: int, dtype: torch.dtype = torch.float64, chunk: int = 3,
 CASES = {f"stage{s}_{name}": (lambda s=s, dt=dt: engine_case(s, dt))
          for s in (1, 2, 3) for name, dt in (("float64", torch.float64),
                                              ("float32", torch.float32))}
-# the same step in chunks of 1 row (24 replays per rank) and of 12 (one chunk per tower)
-CASES.update({f"stage{s}_chunk{c}": (lambda s=s, c=c: engine_case(s, torch.float64, c, 1))
-              for s in (1, 2, 3) for c in (1, 12)})
+# the same step in chunks of 1 row (24 replays per rank) and of 12 (one chunk per tower);
+# ZeRO-3 with float32 weights, the widest its zero.Init takes
+CASES.update({f"stage{s}_chunk{c}": (lambda s=s, c=c: engine_case(
+    s, torch.float32 if s == 3 else torch.float64, c, 1)) for s in (1, 2, 3) for c in (1, 12)})
 
 
 def uncoalesced_case(stage: int = 2, chunk: int = 1) -> dict:
