@@ -68,8 +68,9 @@ def speed_section(path: Path) -> list[str]:
     return lines + [""]
 
 
-def memory_section(paths: list[Path]) -> list[str]:
-    """One table for all memory result files of a device (points may come from several runs)."""
+def memory_section(paths: list[Path], taken: set[str]) -> list[str]:
+    """One table for the memory result files of a device, model and shapes (points may come
+    from several runs); ``taken``: plot names already written by earlier tables."""
     # newest run first: where runs share a point, the newest measurement is shown
     runs = sorted((json.loads(p.read_text()) for p in paths), key=lambda x: x["date"],
                   reverse=True)
@@ -127,7 +128,11 @@ def memory_section(paths: list[Path]) -> list[str]:
         fig.tight_layout()
         model = s.get("model", "all-MiniLM")
         tag = "" if model.startswith("all-MiniLM") else "-" + model.split(",")[0].lower()
+        tag += "-multivector" if "ColBERT" in model else ""
         png = DOCS / f"memory-{s['device'].split(':')[0]}{tag}.png"
+        if png.name in taken:  # a second table of this model (other shapes) gets its own plot
+            png = png.with_name(f"{png.stem}-chunk{s['chunk']}-len{s['max_length']}.png")
+        taken.add(png.name)
         fig.savefig(png, dpi=100)
         plt.close(fig)
         lines += [f"![peak memory]({png.name})", ""]
@@ -406,12 +411,16 @@ def main() -> None:
     for p in sorted(RESULTS.glob("speed-*.json")):
         if not p.name.startswith("speed-multivector"):
             lines += speed_section(p)
-    by_device: dict[tuple[str, str], list[Path]] = {}  # one table per device and model
+    # one table per device, model and shapes: points of other chunks or lengths are not
+    # comparable with the table's
+    by_device: dict[tuple, list[Path]] = {}
     for p in sorted(RESULTS.glob("memory-*.json")):
-        settings = json.loads(p.read_text())["settings"]
-        by_device.setdefault((settings["device"], settings.get("model", "")), []).append(p)
+        s = json.loads(p.read_text())["settings"]
+        by_device.setdefault((s["device"], s.get("model", ""), s["chunk"], s["max_length"]),
+                             []).append(p)
+    plots: set[str] = set()
     for paths in by_device.values():
-        lines += memory_section(paths)
+        lines += memory_section(paths, plots)
     for p in sorted(RESULTS.glob("eval-memory-*.json")):
         lines += eval_memory_section(p)
     lines += pylate_section(sorted(RESULTS.glob("speed-multivector-*.json")))
