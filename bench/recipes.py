@@ -124,11 +124,10 @@ def run(name: str, model: str, data: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     command = "bigbatch " + " ".join(args)
     summary = folder / "summary.json"
-    trained = summary.exists() and json.loads(summary.read_text())["steps"] == STEPS
-    if trained:  # stopped between training and evaluation: evaluate what was trained
-        train_s = json.loads(summary.read_text())["seconds"]
+    trained = json.loads(summary.read_text()) if summary.exists() else {}
+    if trained.get("steps") == STEPS:  # stopped between training and evaluation
+        train_s = trained["seconds"]
     else:
-        write_config()
         train_s = bigbatch(*args, log=RUNS / f"{name}.train.log")
     rows, eval_s = evaluate(str(folder / "final"), data, done)
     result = {"adds": adds, "command": command, "flags": flags, "rows": rows,
@@ -167,6 +166,8 @@ def main() -> int:
     results = json.loads(OUT.read_text())["runs"] if OUT.exists() else {}
     if not args.table:
         model = minilm_path()
+        RUNS.mkdir(parents=True, exist_ok=True)
+        write_config()
         for name in args.only.split(","):
             if name != "base" and name not in RECIPES:
                 sys.exit(f"--only: no run {name!r} (base, {', '.join(RECIPES)})")
