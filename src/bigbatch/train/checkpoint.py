@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -28,18 +29,23 @@ from .runid import belongs_to, run_id_of, write_run_file
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
            "rotate_checkpoints", "abandon_later_checkpoints", "recover_output_dir",
-           "finished_run", "rng_state", "set_rng_state", "atomic_dir", "fsync_dir",
+           "finished_run", "rng_state", "set_rng_state", "safe_load", "atomic_dir", "fsync_dir",
            "write_errors", "free_space"]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, NumPy (if installed), torch CPU and accelerator random states."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """Python, NumPy (if installed), torch CPU and accelerator random states, in forms that
+    :func:`safe_load` reads back (tensors, numbers, strings, lists: no NumPy arrays)."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss],
+                             "torch": torch.get_rng_state()}
     try:
         import numpy as np
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                          int(has_gauss), float(cached)]
     except ImportError:  # pragma: no cover
         pass
     if torch.cuda.is_available():
@@ -48,13 +54,40 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
+    """Restore what :func:`rng_state` returned."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
         import numpy as np
-        np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def safe_load(path: str | Path, *, mmap: bool = False) -> Any:
+    """Read a ``.pt`` file of a checkpoint with ``torch.load(weights_only=True)``: tensors,
+    numbers, strings and containers only, so a crafted pickle (one whose ``__reduce__``
+    calls ``os.system``, say) is refused instead of run. Checkpoints travel between people
+    and machines; nothing in one is trusted.
+
+    Raises:
+        ConfigError: the file holds anything else (a crafted or foreign file), or cannot be
+            read (truncated).
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{path}: refused to load: it holds objects other than tensors, "
+                          f"numbers and strings, which a bigbatch checkpoint never does "
+                          f"(a crafted or foreign file?); nothing in it was run. "
+                          f"({first})") from e
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{path}: cannot be read ({first}); the checkpoint is truncated "
+                          f"or damaged: resume from an earlier one") from e
 
 
 class atomic_dir:
@@ -228,7 +261,7 @@ def load_checkpoint(path: str | Path, *, encoder: Any, loss_fn: torch.nn.Module,
     f = path / "trainer_state.pt"
     if not f.exists():
         raise ConfigError(f"--resume: {path} is not a bigbatch checkpoint (no trainer_state.pt)")
-    blob = torch.load(f, map_location="cpu", weights_only=False)
+    blob = safe_load(f)
     params = dict(encoder.named_parameters())
     missing = [n for n, p in params.items() if p.requires_grad and n not in blob["trainable"]]
     if missing:
@@ -246,7 +279,7 @@ def load_checkpoint(path: str | Path, *, encoder: Any, loss_fn: torch.nn.Module,
     if not rng_file.exists():
         raise ConfigError(f"--resume: {path} has no random state for rank {rank}; resume with "
                           f"the world size it was saved with")
-    set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+    set_rng_state(safe_load(rng_file))
     return blob["state"]
 
 
@@ -301,9 +334,8 @@ def _saved_step(ckpt: Path) -> int | None:
     if not f.exists():
         return None
     try:  # memory-mapped: the optimizer state is not read
-        return int(torch.load(f, map_location="cpu", weights_only=False, mmap=True)
-                   ["state"]["step"])
-    except Exception:  # noqa: BLE001 - an unreadable folder is left where it is
+        return int(safe_load(f, mmap=True)["state"]["step"])
+    except (ConfigError, KeyError, TypeError, ValueError):  # unreadable: left where it is
         return None
 
 
