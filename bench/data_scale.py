@@ -1,6 +1,6 @@
 """Training records at scale: synthetic JSONL files of 100k, 1M and 10M records (a query, a
 positive and 3 negatives of about 100 words each, ~3.9 KB a record) read by index
-(:func:`bigbatch.data.record_store.open_records`).
+(:func:`bigbatch.data.records.store.open_records`).
 
 For each size, each phase in a fresh process (its peak resident memory is that process's):
 
@@ -83,11 +83,11 @@ def _child(phase: str, args: argparse.Namespace, file: Path) -> dict:
 
 def child(phase: str, file: Path, cache: Path, work: Path) -> dict:
     t0 = time.perf_counter()
-    from bigbatch.data.record_store import open_records
+    from bigbatch.data.records.store import open_records
     if phase == "machine":  # imported here, not in the parent (whose memory would grow)
         return machine("cpu")
     if phase == "eager":
-        from bigbatch.data.records import load_records
+        from bigbatch.data.records.loader import load_records
 
         t = time.perf_counter()
         records = load_records(file, num_hard_negatives=3)

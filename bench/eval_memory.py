@@ -1,4 +1,4 @@
-"""Peak memory of full-corpus evaluation (``bigbatch.evaluate.evaluate_beir``) against corpus size.
+"""Peak memory of full-corpus evaluation (``bigbatch.retrieval.evaluate.evaluate_beir``) against corpus size.
 
 A synthetic BEIR set (documents of SciFact words, 100 queries whose positives are spread over
 the corpus) is written once per size; each point runs in its own process and records the
@@ -60,7 +60,7 @@ def tiny_bert(folder: Path) -> str:
 def point(model: str, data: Path, max_length: int, batch_size: int) -> dict:
     """One evaluation in this process: metrics, seconds, peak RSS and peak anonymous memory."""
     from bigbatch.encoders import load_encoder
-    from bigbatch.evaluate import evaluate_beir
+    from bigbatch.retrieval.evaluate import evaluate_beir
 
     peak_anon, done = [0], threading.Event()
 

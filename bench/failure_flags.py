@@ -42,7 +42,7 @@ def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
     from torch import nn
 
     import bigbatch as bb
-    from bigbatch import distributed as D
+    from bigbatch.engine import distributed as D
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -11,7 +11,7 @@ Each point first runs one warm-up step at a batch of one chunk (lazy library set
 the step's), measures one chunk's activations on a probe chunk, then resets the process's
 high-water mark (Linux: /proc/self/clear_refs) and runs the measured step. Per point it
 records the step's growth (peak during the step minus resident memory before it) beside
-the floor that bigbatch.memory.estimate_step_memory computes from the shapes: cached
+the floor that bigbatch.train.memory_estimate.estimate_step_memory computes from the shapes: cached
 embeddings and their gradients, per-chunk random states and the parameters' gradients;
 plus one loss block and one chunk's activations; and the ratio growth / (floor + block +
 chunk).
@@ -114,7 +114,7 @@ def point(mode: str, batch: int, chunk: int, max_length: int, device: str, block
     import torch
 
     import bigbatch as bb
-    from bigbatch.memory import activation_bytes, estimate_step_memory
+    from bigbatch.train.memory_estimate import activation_bytes, estimate_step_memory
 
     loader = load_multivector if multivector else load_model
     tokenizer, tower, params, dim = loader(model_name, device, max_length)
@@ -175,7 +175,7 @@ def point(mode: str, batch: int, chunk: int, max_length: int, device: str, block
         max_block_logits=getattr(loss_fn, "max_block_logits", 2 ** 24),
         accelerators=int(device.startswith("cuda"))).as_mb()
     if multivector:  # the MaxSim block: its queries x documents x tokens x tokens
-        from bigbatch.maxsim import block_shape
+        from bigbatch.losses.maxsim import block_shape
         bq, bd = (batch, batch) if mode == "dense" else block_shape(
             batch, batch, max_length, max_length, block, loss_fn.max_block_elements)
         sims = SIMILARITY_COPIES * bq * bd * max_length ** 2 * 4 / 2 ** 20

@@ -331,7 +331,7 @@ def eval_memory_section(path: Path) -> list[str]:
     r = json.loads(path.read_text())
     m, s = r["machine"], r["settings"]
     lines = [f"### Evaluation memory against corpus size: {s['model']}", "",
-             f"`bigbatch.evaluate.evaluate_beir` on synthetic BEIR sets ({s['queries']} "
+             f"`bigbatch.retrieval.evaluate.evaluate_beir` on synthetic BEIR sets ({s['queries']} "
              f"queries, documents of 30 SciFact words), max length {s['max_length']}, one "
              f"process per point on {m['processor']} ({m['cpus']} CPUs), torch {m['torch']}. "
              f"Command: `{r['command']}` ({r['date']}). The corpus embeddings are written to "
@@ -359,7 +359,7 @@ def data_scale_section(paths: list[Path]) -> list[str]:
              f"`bench/data_scale.py`: synthetic JSONL files, each record a query, a positive and "
              f"3 negatives of {runs[0]['words_per_text']} words (~"
              f"{rows[0]['bytes_per_record'] / 1000:.1f} KB a record), read by index "
-             "(`bigbatch.data.record_store.open_records`, what `bigbatch train` reads), each "
+             "(`bigbatch.data.records.store.open_records`, what `bigbatch train` reads), each "
              f"phase in a fresh process on {m['processor']} ({m['cpus']} CPUs, shared with "
              "other jobs: times vary with the load, memory does not). First run: validating "
              "while streaming and writing the index. Cached start: `open_records` from the kept "

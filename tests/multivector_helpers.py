@@ -1,6 +1,6 @@
 """Helpers for the late-interaction tests: a tiny token tower returning TokenEmbeddings, the
 padded concatenation of chunk outputs, and a naive dense MaxSim InfoNCE reference (the whole
-B x N x Tq x Td similarity tensor, no blocks), independent of bigbatch.maxsim."""
+B x N x Tq x Td similarity tensor, no blocks), independent of bigbatch.losses.maxsim."""
 
 from __future__ import annotations
 

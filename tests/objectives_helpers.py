@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import bigbatch as bb
-from bigbatch import chunking
+from bigbatch.engine import chunking
 from multivector_helpers import padded_cat
 
 

@@ -20,6 +20,7 @@ from .data.formats import (FORMATS, READ_ONLY_FORMATS, SWIFT_DOC_INSTRUCTION,
                            SWIFT_QUERY_INSTRUCTION, Problem, Record)
 from .encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
 from .errors import BigBatchError, ConfigError
+from .retrieval.report import format_eval_table, print_summary
 
 __all__ = ["main", "build_parser"]
 
@@ -389,7 +390,7 @@ def _check_encoder_args(args: argparse.Namespace) -> str:
 
 
 def _make_pairs(args: argparse.Namespace) -> int:
-    from .data.pairs import make_pairs
+    from .data.tools.pairs import make_pairs
     from .train.outdir import check_writable_file
 
     _check_positive(args, ("max_pairs",))
@@ -404,7 +405,7 @@ def _make_pairs(args: argparse.Namespace) -> int:
 
 
 def _render_pages(args: argparse.Namespace) -> int:
-    from .data.pages import render_beir_pages
+    from .data.tools.pages import render_beir_pages
     from .train.outdir import check_writable_folder
 
     try:
@@ -466,7 +467,7 @@ def _run(args: argparse.Namespace) -> int:
             overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
             config = load_config(args.config, overrides)
             summary = train(config)
-            _print_summary(summary, config.best_metric, config.eval_split)
+            print_summary(summary, config.best_metric, config.eval_split)
             return 0
     except BigBatchError as e:
         print(f"bigbatch: error: {e}", file=sys.stderr)
@@ -481,7 +482,7 @@ def _device(name: str | None) -> str:
 
 
 def _cache_dir(args: argparse.Namespace):
-    from .data.corpus import default_cache_dir
+    from .data.readers.files import default_cache_dir
 
     return None if args.no_cache else (args.cache_dir or default_cache_dir())
 
@@ -497,9 +498,9 @@ def _encoder_overrides(args: argparse.Namespace) -> dict:
 def _eval(args: argparse.Namespace) -> int:
     import json
 
-    from .data.beir import require_split
+    from .data.readers.beir_dir import require_split
     from .encoders import load_encoder
-    from .evaluate import evaluate_beir, evaluate_beir_dims
+    from .retrieval.evaluate import evaluate_beir, evaluate_beir_dims
 
     from .train.outdir import check_writable_file
 
@@ -510,7 +511,7 @@ def _eval(args: argparse.Namespace) -> int:
     unseen_from = "train" if args.unseen_from is None else args.unseen_from or None
     device = _check_encoder_args(args)
     if args.dims is not None:
-        from .matryoshka import check_dims
+        from .losses.matryoshka import check_dims
         check_dims(args.dims, what="--dims")
     results = []
     for path in args.model:
@@ -542,7 +543,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .data.validate import validate_file
+    from .data.records.validate import validate_file
 
     total_records, total_problems = 0, 0
     for path in args.files:
@@ -601,7 +602,7 @@ def _checked_records(args: argparse.Namespace) -> Iterator[Record]:
         ConfigError: a problem in the input.
     """
     from .data.formats import stream_records
-    from .data.records import paths_outside
+    from .data.records.loader import paths_outside
 
     problems: list[Problem] = []
     outside: list[Problem] = []
@@ -617,8 +618,8 @@ def _checked_records(args: argparse.Namespace) -> Iterator[Record]:
 
 
 def _convert_colpali(args: argparse.Namespace) -> int:
-    from .data.colpali import convert_colpali
-    from .data.types import problem_lines
+    from .data.tools.convert_colpali import convert_colpali
+    from .data.records.types import problem_lines
 
     fmt = args.dst_format or "contrastors"
     report = convert_colpali(args.input, args.output, fmt, split=args.split,
@@ -644,7 +645,7 @@ def _convert_colpali(args: argparse.Namespace) -> int:
 
 
 def _mine(args: argparse.Namespace) -> int:
-    from .data.mining import MiningOptions, mine_hard_negatives
+    from .retrieval.mining import MiningOptions, mine_hard_negatives
     from .encoders import load_encoder
     from .train.outdir import check_writable_file
 
@@ -689,63 +690,6 @@ def _mine(args: argparse.Namespace) -> int:
                 folder.rmdir()
     print(f"wrote {out} and {out}.report.json")
     return 0
-
-
-def format_eval_table(results: list[dict]) -> str:
-    """One row per model (and per query subset): nDCG@10, R@1/5/10, MRR@10, similarities."""
-    keys = ("ndcg@10", "recall@1", "recall@5", "recall@10", "mrr@10", "pos_sim", "margin")
-    limit = 60  # a longer name keeps its end (the part that tells runs apart), after "..."
-
-    def short(name: str) -> str:
-        return name if len(name) <= limit else "..." + name[-(limit - 3):]
-
-    names = [short(str(r["model"])) for r in results]
-    width = max(12, *(len(n) + len(" [unseen]") for n in names)) + 2
-    lines = [f"{'model':<{width}}{'queries':>9}" + "".join(f"{k:>11}" for k in keys)]
-    for prefix, label in (("", ""), ("unseen/", " [unseen]")):
-        for r in results:
-            m = r["metrics"]
-            if f"{prefix}ndcg@10" not in m:
-                continue
-            name = short(str(r["model"])) + label
-            lines.append(f"{name:<{width}}{int(m[prefix + 'queries']):>9}"
-                         + "".join(f"{m[prefix + k]:>11.4f}" for k in keys))
-    return "\n".join(lines)
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
-
-
-def _print_summary(summary: dict, best_metric: str = "ndcg@10", split: str = "test") -> None:
-    """The result table (base and fine-tuned, on the full split and, when they are not all
-    of them, on the unseen-document queries; ``best_metric``'s column included), where
-    ``best/`` came from, and one closing line."""
-    base, final = summary.get("base"), summary.get("final")
-    if final:
-        keys = [k for k in ("ndcg@10", "recall@1", "recall@5", "recall@10", "mrr@10", "margin")
-                if k in final]
-        metric = best_metric.removeprefix("unseen/")
-        if metric in final and metric not in keys:
-            keys.append(metric)
-        rows = [(f"full {split} split", "")]
-        if final.get("unseen/queries") != final.get("queries"):  # else the same rows again
-            rows.append(("unseen-document queries", "unseen/"))
-        print(f"\n{'':<42}" + "".join(f"{k:>11}" for k in keys))
-        for label, prefix in rows:
-            if f"{prefix}ndcg@10" not in final:
-                continue
-            for name, m in (("base", base), ("fine-tuned", final)):
-                if m is None:
-                    continue
-                n = int(m.get(f"{prefix}queries", 0))
-                print(f"{name + ', ' + label + f' ({n})':<42}"
-                      + "".join(f"{m.get(prefix + k, float('nan')):>11.4f}" for k in keys))
-        print()
-    if summary.get("best") is not None:
-        print(f"best/: step {summary['best_step']}, {best_metric} {summary['best']:.4f}")
-    print(f"done: {summary['steps']} steps in {_duration(summary.get('seconds', 0.0))}; "
-          f"model in {summary['final_model']}")
 
 
 if __name__ == "__main__":

@@ -316,7 +316,7 @@ def test_corpus_automatic_blocks_equal_dense_in_float64():
 
 
 def test_automatic_block_rule():
-    from bigbatch.blockwise import MAX_BLOCK_LOGITS, rows_per_block
+    from bigbatch.losses import MAX_BLOCK_LOGITS, rows_per_block
 
     assert MAX_BLOCK_LOGITS == 2 ** 22
     for n in (1, 100, 4096, 16384, 3 * 10 ** 5):

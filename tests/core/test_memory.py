@@ -1,5 +1,5 @@
 """What one engine step adds to a process's peak memory, measured (peak resident memory of a
-subprocess per configuration) against bigbatch.memory's estimate from the shapes."""
+subprocess per configuration) against bigbatch.train.memory_estimate's estimate from the shapes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bigbatch.memory import CPU_RNG_STATE_BYTES, estimate_step_memory
+from bigbatch.train.memory_estimate import CPU_RNG_STATE_BYTES, estimate_step_memory
 
 PROBE = Path(__file__).resolve().parents[1] / "memory_probe.py"
 BOUND = 2.0  # one step may add at most this multiple of (floor + one loss block + one chunk)
@@ -71,7 +71,7 @@ def test_estimate_arithmetic():
 def test_activation_bytes_counts_what_the_saved_tensors_span():
     import torch
 
-    from bigbatch.memory import activation_bytes
+    from bigbatch.train.memory_estimate import activation_bytes
 
     lin = torch.nn.Linear(16, 16)
     big = torch.randn(1000, 16)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import bigbatch as bb
-from bigbatch import chunking
+from bigbatch.engine import chunking
 from bigbatch.errors import ConfigError, InputError, ShapeError
+from bigbatch.losses.matryoshka import check_dims
 from helpers import DT, TokenTower, grads_of, max_rel_err, token_batch, zero_grads
 from multivector_helpers import TokenVectors, naive_maxsim_loss
 from objectives_helpers import (cut, engine_chunks, normalized, qq_dd_loss, run_chunks,
@@ -168,7 +169,7 @@ def test_matryoshka_dim_above_the_width_refused_before_any_gradient():
         cache.step(query=token_batch(4), doc=token_batch(4))
     assert all(p.grad is None for p in [*tower.parameters(), *loss_fn.parameters()])
     with pytest.raises(ConfigError, match="larger than the model's embedding width 8"):
-        bb.matryoshka.check_dims([16, 4], width=8, what="--matryoshka-dims")
+        check_dims([16, 4], width=8, what="--matryoshka-dims")
 
 
 # ------------------------------------------------------------ extra negatives

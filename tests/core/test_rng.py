@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bigbatch.rng import RandContext, devices_of
+from bigbatch.engine.rng import RandContext, devices_of
 
 
 def test_replays_cpu_random_numbers_and_restores_outer_state():

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from bigbatch.cli import main
-from bigbatch.data.beir import beir_training_records, load_beir
-from bigbatch.data.images import check_image
-from bigbatch.data.records import load_records
-from bigbatch.data.validate import validate_file
+from bigbatch.data.readers.beir_dir import beir_training_records, load_beir
+from bigbatch.data.records.image_checks import check_image
+from bigbatch.data.records.loader import load_records
+from bigbatch.data.records.validate import validate_file
 from bigbatch.errors import ConfigError, DataError
-from bigbatch.evaluate import evaluate_beir
+from bigbatch.retrieval.evaluate import evaluate_beir
 
 
 def jsonl(path: Path, rows) -> Path:

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from bigbatch.data.formats import read_records
-from bigbatch.data.records import load_records
-from bigbatch.data.validate import validate_file
+from bigbatch.data.records.loader import load_records
+from bigbatch.data.records.validate import validate_file
 
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bigbatch.cli import main
-from bigbatch.data.mining import MiningOptions, mine_hard_negatives
+from bigbatch.retrieval.mining import MiningOptions, mine_hard_negatives
 from bigbatch.errors import ConfigError
 
 
@@ -150,8 +150,8 @@ def test_mine_command_on_scifact_slice_with_real_model(sf_slice, tmp_path, capsy
 def test_eval_command_on_200_document_slice(sf_slice, tmp_path, capsys):
     from sentence_transformers import SentenceTransformer
 
-    from bigbatch.data.beir import load_beir
-    from bigbatch.evaluate import evaluate_retrieval
+    from bigbatch.data.readers.beir_dir import load_beir
+    from bigbatch.retrieval.evaluate import evaluate_retrieval
     from pipeline_helpers import minilm_path
     out = tmp_path / "eval.json"
     rc = main(["eval", "--model", str(minilm_path()), "--data", str(sf_slice), "--split", "test",
@@ -188,7 +188,7 @@ def test_a_copy_of_the_positive_under_another_id_is_never_a_negative(tmp_path):
     """A corpus holding the positive's text twice (common in real corpora): the copy is a
     positive, not a negative, so the mined file trains (training refuses a negative equal to
     its positive)."""
-    from bigbatch.data.records import load_records
+    from bigbatch.data.records.loader import load_records
 
     scores = {"dup text": 0.8, "other1": 0.5, "other2": 0.4}
     docs = {"d1": "dup text", "d2": "dup text", "d3": "other1", "d4": "other2"}
@@ -222,7 +222,7 @@ def test_ratio_rule_keeps_the_threshold_below_a_negative_positive_score(tmp_path
 def test_eval_table_tells_models_apart():
     """Every model name was cut by 10 characters (room for " [unseen]" taken from the name):
     runs/exp1/final and runs/exp2/final both printed as "final"."""
-    from bigbatch.cli import format_eval_table
+    from bigbatch.retrieval.report import format_eval_table
 
     m = {"ndcg@10": 0.5, "recall@1": 0.1, "recall@5": 0.2, "recall@10": 0.3, "mrr@10": 0.4,
          "pos_sim": 0.6, "margin": 0.1, "queries": 3.0}

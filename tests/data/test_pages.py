@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bigbatch.data.pages import render_beir_pages
+from bigbatch.data.tools.pages import render_beir_pages
 
 
 def _beir(src: Path, text: str) -> Path:
@@ -20,7 +20,7 @@ def _beir(src: Path, text: str) -> Path:
 def test_pages_are_redrawn_when_text_or_settings_change(tmp_path, monkeypatch):
     from PIL import Image
 
-    import bigbatch.data.pages as pages
+    import bigbatch.data.tools.pages as pages
 
     drawn = []
     real = pages.render_page

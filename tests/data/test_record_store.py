@@ -1,4 +1,4 @@
-"""Training records read by index (bigbatch.data.record_store): the same records and the same
+"""Training records read by index (bigbatch.data.records.store): the same records and the same
 errors as the eager loader for every format, the index kept until its data changes and
 refused when it does not match, and memory that does not grow with the records."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bigbatch.data import record_store
+from bigbatch.data.records import store as record_store
 from bigbatch.data.batches import EpochBatches
-from bigbatch.data.record_store import RecordStore, index_folder, open_records
-from bigbatch.data.records import load_records
+from bigbatch.data.records.store import RecordStore, index_folder, open_records
+from bigbatch.data.records.loader import load_records
 from bigbatch.errors import DataError
 
 
@@ -287,8 +287,8 @@ def test_the_store_holds_no_record_in_memory(tmp_path):
 
 def _index_on_main_cases(good: str, bad: str, cache: str) -> dict:
     def cases() -> dict:
-        from bigbatch.distributed import world_info
-        from bigbatch.train.ranks import main_first
+        from bigbatch.engine.distributed import world_info
+        from bigbatch.train.main_rank import main_first
 
         built: list[str] = []
         real = record_store._build

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bigbatch.data.formats import detect_format, read_records, write_records
-from bigbatch.data.records import load_records
+from bigbatch.data.records.loader import load_records
 from bigbatch.errors import DataError
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from bigbatch.cli import main
 from bigbatch.data.formats import format_of, read_records, write_records
-from bigbatch.data.validate import validate_file, validate_records
+from bigbatch.data.records.validate import validate_file, validate_records
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -30,7 +30,7 @@ import contextlib, gc, io, json, re, resource, sys
 from pathlib import Path
 from bigbatch.cli import main
 from bigbatch.data.formats import read_records
-from bigbatch.data.validate import validate_file
+from bigbatch.data.records.validate import validate_file
 mode, path, small, out = sys.argv[1:]
 def run(path):
     if mode == "list":

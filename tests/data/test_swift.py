@@ -15,9 +15,9 @@ import pytest
 
 from bigbatch.cli import main
 from bigbatch.data.formats import read_records, write_records
-from bigbatch.data.images import ImageDoc
-from bigbatch.data.records import load_records
-from bigbatch.data.validate import validate_file
+from bigbatch.data.records.image_checks import ImageDoc
+from bigbatch.data.records.loader import load_records
+from bigbatch.data.records.validate import validate_file
 from bigbatch.errors import DataError
 
 

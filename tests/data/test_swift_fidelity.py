@@ -13,8 +13,8 @@ import pytest
 
 from bigbatch.cli import main
 from bigbatch.data.formats import read_records, write_records
-from bigbatch.data.records import TrainRecord, load_records
-from bigbatch.data.validate import validate_file
+from bigbatch.data.records.loader import TrainRecord, load_records
+from bigbatch.data.records.validate import validate_file
 from bigbatch.errors import ConfigError, DataError
 
 
@@ -86,7 +86,7 @@ def test_one_system_prompt_per_side_is_named_when_the_target_cannot_hold_it(tmp_
 
 
 def test_training_applies_the_data_system_prompt_or_refuses(tmp_path):
-    from bigbatch.data.records import check_instructions
+    from bigbatch.data.records.loader import check_instructions
 
     src = write(tmp_path / "s.jsonl", rec("q1", qs="Find A.", ds="Doc."),
                 rec("q2", "p2", qs="Find A.", ds="Doc."))

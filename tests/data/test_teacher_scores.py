@@ -11,8 +11,8 @@ import pytest
 from bigbatch.cli import main
 from bigbatch.data import EpochBatches
 from bigbatch.data.formats import read_records, write_records
-from bigbatch.data.records import check_teacher_scores, load_records
-from bigbatch.data.validate import validate_file
+from bigbatch.data.records.loader import check_teacher_scores, load_records
+from bigbatch.data.records.validate import validate_file
 from bigbatch.errors import DataError
 
 

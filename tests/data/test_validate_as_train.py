@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bigbatch.data.records import load_records
-from bigbatch.data.validate import validate_file
+from bigbatch.data.records.loader import load_records
+from bigbatch.data.records.validate import validate_file
 from bigbatch.errors import DataError
 
 
@@ -107,7 +107,7 @@ def test_a_file_that_is_not_utf8_is_reported_per_line(tmp_path):
 
 
 def test_a_huge_page_is_a_data_error_when_embedded(tmp_path):
-    from bigbatch.encoders.images import load_image  # where pages are opened to embed
+    from bigbatch.encoders.image_inputs import load_image  # where pages are opened to embed
 
     png(tmp_path / "huge.png", 14000, 14000)
     with pytest.raises(DataError, match="huge.png: image too large to open safely"):

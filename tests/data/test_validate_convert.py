@@ -13,7 +13,7 @@ import pytest
 
 from bigbatch.cli import main
 from bigbatch.data.formats import FORMATS, Doc, Record, read_records, write_records
-from bigbatch.data.validate import validate_file
+from bigbatch.data.records.validate import validate_file
 from bigbatch.errors import DataError
 
 
@@ -169,7 +169,7 @@ def _files(records, base: Path) -> list[list[Path]]:
 def test_convert_into_another_folder_rebases_relative_paths(tmp_path, src, dst):
     """Paths are relative to the file that holds them: converting data/train.jsonl into out/
     must write paths that still name data/pages/*, so the output validates and trains."""
-    from bigbatch.data.records import load_records
+    from bigbatch.data.records.loader import load_records
 
     (tmp_path / "data" / "pages").mkdir(parents=True)
     for r in image_records():
@@ -188,7 +188,7 @@ def test_convert_into_another_folder_rebases_relative_paths(tmp_path, src, dst):
 
 
 def test_convert_rebases_text_file_paths_and_keeps_absolute_ones(tmp_path):
-    from bigbatch.data.records import load_records
+    from bigbatch.data.records.loader import load_records
 
     (tmp_path / "data" / "docs").mkdir(parents=True)
     (tmp_path / "data" / "docs" / "p.txt").write_text("the positive passage")

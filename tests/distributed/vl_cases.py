@@ -17,8 +17,8 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import bigbatch as bb  # noqa: E402
-from bigbatch.data.images import ImageDoc  # noqa: E402
-from bigbatch.encoders.colqwen import MultiVectorVisionEncoder  # noqa: E402
+from bigbatch.data.records.image_checks import ImageDoc  # noqa: E402
+from bigbatch.encoders.vision_multivector import MultiVectorVisionEncoder  # noqa: E402
 from bigbatch.encoders.vision import VisionLanguageEncoder  # noqa: E402
 from dist_helpers import run_cases  # noqa: E402
 from helpers import DT, grads_of, max_rel_err  # noqa: E402

@@ -40,7 +40,7 @@ def test_site_builds_strict_with_api_and_cli_reference(site):
     for flag in ("--grad-cache-chunk", "--num-hard-negatives", "--rank-window", "--allow-lossy"):
         assert flag in cli, flag
     engine = (site / "reference" / "api" / "engine" / "index.html").read_text()
-    assert 'id="bigbatch.cache.GradCache.step"' in engine
+    assert 'id="bigbatch.engine.gradcache.GradCache.step"' in engine
     assert "Sphinx" not in engine and ":class:`" not in engine and ":meth:`" not in engine
     assert (site / "getting-started" / "index.html").is_file()
 
@@ -73,10 +73,10 @@ def test_docstring_references_resolve_or_are_reported():
     from sphinx_roles import _resolve
 
     pkg = griffe.load("bigbatch", search_paths=[str(ROOT / "src")])
-    cache = pkg["cache"]
-    assert _resolve(cache["GradCache"], "split_inputs", pkg) == "bigbatch.cache.GradCache.split_inputs"
-    assert _resolve(cache, "RandContext", pkg) == "bigbatch.rng.RandContext"
-    assert _resolve(pkg["maxsim"]["MaxSimInfoNCE"], "clamp_", pkg) == \
-        "bigbatch.losses.TemperatureLoss.clamp_"  # inherited: where it is defined
+    cache = pkg["engine.gradcache"]
+    assert _resolve(cache["GradCache"], "split_inputs", pkg) == "bigbatch.engine.gradcache.GradCache.split_inputs"
+    assert _resolve(cache, "RandContext", pkg) == "bigbatch.engine.rng.RandContext"
+    assert _resolve(pkg["losses.maxsim"]["MaxSimInfoNCE"], "clamp_", pkg) == \
+        "bigbatch.losses.base.TemperatureLoss.clamp_"  # inherited: where it is defined
     assert _resolve(cache, "no_such_function", pkg) is None
     assert _resolve(pkg["data"]["formats"], ".swift", pkg) == "bigbatch.data.formats.swift"

@@ -1,5 +1,5 @@
 """``make demo-jax`` in small: the Flax MiniLM fine-tuned for two cached steps on a SciFact
-slice, evaluated before and after by bigbatch.evaluate, the table printed."""
+slice, evaluated before and after by bigbatch.retrieval.evaluate, the table printed."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_demo_runs_and_trains(tmp_path, capsys):
 
 @pytest.mark.slow  # embeds the whole SciFact corpus (measured: 23 min on 2 shared cores)
 def test_flax_minilm_reproduces_the_published_scifact_figure():
-    from bigbatch.evaluate import evaluate_beir
+    from bigbatch.retrieval.evaluate import evaluate_beir
     from bigbatch.jax.bert import load_bert
     from bigbatch.jax.encode import FlaxTextEncoder
     from pipeline_helpers import SCIFACT

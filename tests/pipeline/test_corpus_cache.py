@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from bigbatch.data.corpus import embed_corpus
+from bigbatch.retrieval.corpus_cache import embed_corpus
 
 
 class CountingEncoder:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bigbatch.errors import DataError
-from bigbatch.evaluate import (check_beir_split, evaluate_retrieval, retrieval_metrics,
-                               unseen_query_ids)
+from bigbatch.retrieval.evaluate import (check_beir_split, evaluate_retrieval, retrieval_metrics,
+                                         unseen_query_ids)
 
 
 def test_metrics_by_hand():
@@ -109,7 +109,7 @@ def test_tied_scores_rank_as_pytrec_eval_ranks_them():
 
 
 def test_top_ranked_orders_ties_by_descending_id_across_the_cutoff():
-    from bigbatch.evaluate import _top_ranked
+    from bigbatch.retrieval.evaluate import _top_ranked
 
     sims = torch.tensor([[0.5, 0.9, 0.5, 0.5, 0.1]])
     assert _top_ranked(sims, ["a", "b", "c", "d", "e"], 2) == [["b", "d"]]
@@ -117,7 +117,7 @@ def test_top_ranked_orders_ties_by_descending_id_across_the_cutoff():
 
 
 def test_qrels_with_a_byte_order_mark_and_crlf_read(tmp_path):
-    from bigbatch.data.beir import load_qrels
+    from bigbatch.data.readers.beir_dir import load_qrels
 
     p = tmp_path / "qrels.tsv"
     p.write_bytes(b"\xef\xbb\xbfquery-id\tcorpus-id\tscore\r\nq1\td1\t1\r\nq2\td2\t2.0\r\n")
@@ -125,7 +125,7 @@ def test_qrels_with_a_byte_order_mark_and_crlf_read(tmp_path):
 
 
 def test_a_fractional_qrels_score_is_an_error_not_truncated(tmp_path):
-    from bigbatch.data.beir import load_qrels
+    from bigbatch.data.readers.beir_dir import load_qrels
 
     p = tmp_path / "qrels.tsv"
     p.write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t0.5\n")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bigbatch.errors import ConfigError
-from bigbatch.memory import StepMemory
+from bigbatch.train.memory_estimate import StepMemory
 from bigbatch.train import memory_check, train
 from test_train import assets, config, train_losses  # noqa: F401 - the module's fixture
 

@@ -119,7 +119,7 @@ def test_a_resumed_mix_reproduces_the_straight_run_and_prompts_follow_the_source
 
 
 def test_bigbatch_eval_applies_a_saved_tasks_prompts(assets, tmp_path, monkeypatch, capsys):
-    import bigbatch.evaluate
+    import bigbatch.retrieval.evaluate
 
     tiny, sf, _ = assets
     enc = TextEncoder(str(tiny), max_length=32, query_prefix="plain: ")
@@ -127,13 +127,13 @@ def test_bigbatch_eval_applies_a_saved_tasks_prompts(assets, tmp_path, monkeypat
                                                                         "doc": "d: "}}
     enc.save(tmp_path / "m")
     seen = []
-    real = bigbatch.evaluate.evaluate_beir
+    real = bigbatch.retrieval.evaluate.evaluate_beir
 
     def spy(encoder, *a, **kw):
         seen.append((encoder.query_prefix, encoder.doc_prefix))
         return real(encoder, *a, **kw)
 
-    monkeypatch.setattr(bigbatch.evaluate, "evaluate_beir", spy)
+    monkeypatch.setattr(bigbatch.retrieval.evaluate, "evaluate_beir", spy)
     common = ["eval", "--model", str(tmp_path / "m"), "--data", str(sf), "--no-cache"]
     assert main(common) == 0  # the folder is named scifact: that task's prompts
     assert main([*common, "--task", "other"]) == 0
@@ -159,18 +159,18 @@ def test_a_bad_record_names_its_source_before_step_one(assets, tmp_path, capsys)
 
 def test_several_evaluation_sets_are_reported_and_their_mean_selects_best(
         assets, tmp_path, monkeypatch, capsys):
-    import bigbatch.evaluate
+    import bigbatch.retrieval.evaluate
 
     tiny, sf, negs = assets
     other = scifact_slice(tmp_path / "small", n_train=8, n_test=8, n_extra_docs=30)
     prefixes = []
-    real = bigbatch.evaluate.evaluate_beir
+    real = bigbatch.retrieval.evaluate.evaluate_beir
 
     def spy(encoder, root, *a, **kw):
         prefixes.append((Path(root).name, encoder.query_prefix))
         return real(encoder, root, *a, **kw)
 
-    monkeypatch.setattr(bigbatch.evaluate, "evaluate_beir", spy)
+    monkeypatch.setattr(bigbatch.retrieval.evaluate, "evaluate_beir", spy)
     out = tmp_path / "run"
     summary = train(config(assets, out, max_steps=2, eval_steps=1, save_steps=0,
                            eval_data=[{"path": str(sf), "name": "scifact"},

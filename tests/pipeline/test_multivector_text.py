@@ -16,7 +16,7 @@ import bigbatch as bb
 from bigbatch.cli import main
 from bigbatch.encoders import MultiVectorTextEncoder, load_encoder
 from bigbatch.errors import ConfigError
-from bigbatch.evaluate import evaluate_beir
+from bigbatch.retrieval.evaluate import evaluate_beir
 from helpers import grads_of, max_rel_err, zero_grads
 from multivector_helpers import naive_maxsim_loss, naive_scores, run_chunked
 from pipeline_helpers import scifact_slice, tiny_bert
@@ -88,7 +88,7 @@ def test_bad_options_are_config_errors(tiny, data, tmp_path):
     enc.save(tmp_path / "m")
     with pytest.raises(ConfigError, match="16 dimensions"):
         MultiVectorTextEncoder(tmp_path / "m", dim=32)
-    from bigbatch.data.corpus import embed_corpus
+    from bigbatch.retrieval.corpus_cache import embed_corpus
     with pytest.raises(ConfigError, match="multi-vector"):
         embed_corpus(enc, data / "corpus.jsonl")
 
@@ -155,8 +155,8 @@ def test_train_two_steps_from_the_command_line(tiny, data, tmp_path, lora):
 def _brute_force(enc, data):
     """Every (query, document) MaxSim score at once (documents rounded to float16 as they are
     stored), and the ranking metrics by pytrec_eval."""
-    from bigbatch.data.beir import load_qrels, load_queries
-    from bigbatch.data.corpus import iter_corpus
+    from bigbatch.data.readers.beir_dir import load_qrels, load_queries
+    from bigbatch.data.readers.beir_dir import iter_corpus
 
     qrels = load_qrels(data / "qrels" / "test.tsv")
     queries = load_queries(data / "queries.jsonl", set(qrels))
@@ -184,7 +184,7 @@ def test_maxsim_metrics_equal_a_brute_force_computation(tiny, data, tmp_path, mo
     assert got["pos_sim"] == pytest.approx(float(sum(pos) / len(pos)), abs=1e-5)
     assert "unseen/ndcg@10" in got
     # the store: float16 on disk, memory-mapped, scored in blocks of any size alike
-    from bigbatch.data.token_store import embed_corpus_tokens
+    from bigbatch.retrieval.token_store import embed_corpus_tokens
     store = embed_corpus_tokens(enc, data / "corpus.jsonl", cache_dir=tmp_path / "cache",
                                 progress=False)
     assert store.ids == dids and (store.path / "values.f16").stat().st_size == \

@@ -25,7 +25,7 @@ def test_seed_format_with_chunk_paths(tmp_path):
     ])
     recs = load_records(f, num_hard_negatives=1)
     assert recs[0].positive == "positive passage" and recs[0].negatives == ["negative one"]
-    from bigbatch.data.images import doc_key
+    from bigbatch.data.records.image_checks import doc_key
     assert recs[0].positive_id == doc_key("positive passage") == recs[0].positive_key
     assert recs[0].line == 1
     assert recs[1].negatives == ["neg a", "neg b"]
@@ -89,7 +89,7 @@ def test_beir_pairs_and_no_negatives(tmp_path):
 
 
 def test_epoch_batches_deterministic_and_sharded():
-    from bigbatch.data.records import TrainRecord
+    from bigbatch.data.records.loader import TrainRecord
     recs = [TrainRecord(f"q{i}", f"p{i}", [f"n{i}{j}" for j in range(5)]) for i in range(10)]
     full = EpochBatches(recs, 4, num_hard_negatives=2, seed=1)
     r0 = EpochBatches(recs, 2, num_hard_negatives=2, seed=1, rank=0, world_size=2)
@@ -108,10 +108,10 @@ def _fixed_corpus(tmp_path, data, recs):
     """Query-side tuning's whole-corpus negatives for ``recs`` (tiny BERT, corpus negatives)."""
     import torch
 
-    from bigbatch.distributed import WorldInfo
+    from bigbatch.engine.distributed import WorldInfo
     from bigbatch.encoders import TextEncoder
     from bigbatch.train import TrainConfig
-    from bigbatch.train.corpus import FixedCorpus
+    from bigbatch.train.corpus_negatives import FixedCorpus
     from pipeline_helpers import tiny_bert
 
     config = TrainConfig(model="unused", train_data=str(data), output_dir=str(tmp_path / "o"),

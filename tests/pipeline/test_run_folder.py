@@ -409,18 +409,18 @@ def _metrics(n, unseen_n, **extra):
 
 @pytest.mark.parametrize("unseen_n", [20, 7])
 def test_the_result_table_names_unseen_queries_and_leaves_out_a_repeat(capsys, unseen_n):
-    from bigbatch.cli import _print_summary
+    from bigbatch.retrieval.report import print_summary
 
     summary = {"steps": 4, "seconds": 3.0, "base": _metrics(20, unseen_n),
                "final": _metrics(20, unseen_n), "best": 0.1, "best_step": 2,
                "final_model": "runs/x/final"}
-    _print_summary(summary, "neg_sim", "test")
+    print_summary(summary, "neg_sim", "test")
     out = capsys.readouterr().out
     assert "claims" not in out and "neg_sim" in out.splitlines()[1]
     assert ("unseen-document queries (7)" in out) == (unseen_n == 7)
     assert "best/: step 2, neg_sim 0.1000" in out
     assert out.strip().splitlines()[-1] == "done: 4 steps in 3 s; model in runs/x/final"
-    _print_summary({**summary, "base": None, "final": None, "best": None})
+    print_summary({**summary, "base": None, "final": None, "best": None})
     assert capsys.readouterr().out.strip() == "done: 4 steps in 3 s; model in runs/x/final"
 
 

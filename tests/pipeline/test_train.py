@@ -173,12 +173,12 @@ def test_a_bad_evaluation_split_stops_the_run_before_step_one(assets, tmp_path):
 
 def test_the_weights_are_saved_before_the_final_evaluation(assets, tmp_path, monkeypatch):
     """An evaluation that fails at the end (out of memory, a bug) loses no training."""
-    import bigbatch.evaluate
+    import bigbatch.retrieval.evaluate
 
     def failing(*a, **kw):
         raise MemoryError("evaluation ran out of memory")
 
-    monkeypatch.setattr(bigbatch.evaluate, "evaluate_beir", failing)
+    monkeypatch.setattr(bigbatch.retrieval.evaluate, "evaluate_beir", failing)
     out = tmp_path / "run"
     with pytest.raises(MemoryError):
         train(config(assets, out, eval_data=str(assets[1]), max_steps=4, save_steps=0))
@@ -356,7 +356,7 @@ def test_the_final_checkpoint_records_a_best_found_by_the_final_evaluation(asset
                                                                            monkeypatch):
     """The final checkpoint is written before the final evaluation; when that evaluation is
     the best, the checkpoint is written again so a resume (to train further) knows it."""
-    import bigbatch.evaluate
+    import bigbatch.retrieval.evaluate
 
     calls = []
 
@@ -364,8 +364,8 @@ def test_the_final_checkpoint_records_a_best_found_by_the_final_evaluation(asset
         calls.append(1)
         return {"ndcg@10": 0.1 * len(calls)}
 
-    monkeypatch.setattr(bigbatch.evaluate, "check_beir_split", lambda *a, **kw: None)
-    monkeypatch.setattr(bigbatch.evaluate, "evaluate_beir", rising)
+    monkeypatch.setattr(bigbatch.retrieval.evaluate, "check_beir_split", lambda *a, **kw: None)
+    monkeypatch.setattr(bigbatch.retrieval.evaluate, "evaluate_beir", rising)
     out = tmp_path / "run"
     summary = train(config(assets, out, eval_data="unused", eval_steps=2, max_steps=4,
                            save_steps=0))

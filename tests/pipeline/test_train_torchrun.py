@@ -59,8 +59,8 @@ def _slow_main_rank_cases():
     """Rank 0 works alone (as when it evaluates) for longer than the collective timeout."""
     import time
 
-    from bigbatch.distributed import world_info
-    from bigbatch.train.ranks import barrier, from_main
+    from bigbatch.engine.distributed import world_info
+    from bigbatch.train.main_rank import barrier, from_main
 
     info = world_info()
     if info.rank == 0:

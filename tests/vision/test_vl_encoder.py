@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import bigbatch as bb
-from bigbatch.data.images import ImageDoc
+from bigbatch.data.records.image_checks import ImageDoc
 from bigbatch.encoders.vision import VisionLanguageEncoder
 from helpers import DT, grads_of, max_rel_err, zero_grads
 

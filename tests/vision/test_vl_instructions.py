@@ -10,7 +10,7 @@ import torch
 
 import bigbatch as bb
 from bigbatch.data.mix import SourceSpec
-from bigbatch.data.types import ImageDoc
+from bigbatch.data.records.types import ImageDoc
 from bigbatch.encoders import VisionLanguageEncoder, load_encoder
 from bigbatch.errors import ConfigError
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import bigbatch as bb
-from bigbatch.data.images import ImageDoc
-from bigbatch.encoders.colqwen import MultiVectorVisionEncoder
+from bigbatch.data.records.image_checks import ImageDoc
+from bigbatch.encoders.vision_multivector import MultiVectorVisionEncoder
 from bigbatch.errors import ConfigError
 from helpers import DT, grads_of, max_rel_err, zero_grads
 from multivector_helpers import padded_cat
@@ -227,7 +227,7 @@ def test_colqwen2_loads_the_saved_folder(tiny_vl, page_images, tmp_path, mode):
 @pytest.fixture(scope="module")
 def pages(tmp_path_factory):
     """A 16-pair SciFact slice rendered to 224 x 224 pages, one negative per record."""
-    from bigbatch.data.pages import render_beir_pages
+    from bigbatch.data.tools.pages import render_beir_pages
 
     root = tmp_path_factory.mktemp("mv_pages")
     src = scifact_slice(root / "src", n_train=16, n_test=6, n_extra_docs=8)

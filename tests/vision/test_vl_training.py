@@ -14,7 +14,7 @@ import torch
 import bigbatch as bb
 from bigbatch.cli import main
 from bigbatch.data import load_records
-from bigbatch.data.images import ImageDoc, doc_key
+from bigbatch.data.records.image_checks import ImageDoc, doc_key
 from bigbatch.train import TrainConfig, train
 from helpers import DT, grads_of, max_rel_err, zero_grads
 from pipeline_helpers import scifact_slice, tiny_bert
@@ -23,7 +23,7 @@ from pipeline_helpers import scifact_slice, tiny_bert
 @pytest.fixture(scope="module")
 def pages(tmp_path_factory):
     """A 40-pair SciFact slice rendered to 224 x 224 pages, 1 random negative per record."""
-    from bigbatch.data.pages import render_beir_pages
+    from bigbatch.data.tools.pages import render_beir_pages
 
     root = tmp_path_factory.mktemp("vl_pages")
     src = scifact_slice(root / "src", n_train=40, n_test=12, n_extra_docs=20)

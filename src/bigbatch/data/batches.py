@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .types import ImageDoc, TrainRecord, doc_key
+from .records.types import ImageDoc, TrainRecord, doc_key
 
 __all__ = ["EpochBatches", "Batch"]
 
@@ -40,8 +40,8 @@ class Batch:
 class EpochBatches:
     """Batches of ``batch_size`` records per rank, ``batch_size * world_size`` per step; with
     ``scores``, each batch carries the records' teacher scores (every record must have them:
-    :func:`bigbatch.data.records.check_teacher_scores`). ``records``: any sequence of
-    records (a list, or records read by index: :mod:`bigbatch.data.record_store`)."""
+    :func:`bigbatch.data.records.loader.check_teacher_scores`). ``records``: any sequence of
+    records (a list, or records read by index: :mod:`bigbatch.data.records.store`)."""
 
     def __init__(self, records: Sequence[TrainRecord], batch_size: int,
                  num_hard_negatives: int = 0, seed: int = 0, rank: int = 0,

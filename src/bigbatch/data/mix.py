@@ -31,7 +31,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .batches import Batch, EpochBatches
-from .types import TrainRecord
+from .records.types import TrainRecord
 
 __all__ = ["SourceSpec", "SOURCE_KEYS", "EVAL_KEYS", "parse_sources", "mix_weights",
            "CappedRecords", "TrainSource", "MixedBatches"]

@@ -10,9 +10,9 @@ Imports transformers and peft lazily, so ``import bigbatch`` stays light.
 from .loading import load_encoder
 from .base import EncoderBase, FrozenDocTower
 from .text import TextEncoder, default_lora_targets
-from .multivector import MultiVectorTextEncoder
+from .text_multivector import MultiVectorTextEncoder
 from .vision import VisionLanguageEncoder, is_vision_language_model
-from .colqwen import MultiVectorVisionEncoder
+from .vision_multivector import MultiVectorVisionEncoder
 
 __all__ = ["EncoderBase", "TextEncoder", "MultiVectorTextEncoder", "VisionLanguageEncoder",
            "MultiVectorVisionEncoder",

@@ -68,7 +68,7 @@ def tokens_in_order(batches: Iterator[tuple[list[int], list[Tensor]]], n: int,
     """The ``n`` items' scored tokens from ``(indices, rows)`` batches (an encoder's
     ``encode_tokens``) as one :class:`bigbatch.TokenEmbeddings` padded to the longest item,
     in input order."""
-    from ..embeddings import stack_rows
+    from ..engine.embeddings import stack_rows
 
     rows: list[Tensor] = [torch.empty(0)] * n
     for idx, vectors in batches:

@@ -1,7 +1,7 @@
 """Load an encoder from what users have on disk: a bigbatch ``final/`` (weights or a LoRA
 adapter), a checkpoint directory (its ``model/``), a sentence-transformers folder (pooling,
 normalisation and prompts read from its config files), a PyLate (ColBERT) folder (a
-:class:`~bigbatch.encoders.multivector.MultiVectorTextEncoder`), or a plain transformers model.
+:class:`~bigbatch.encoders.text_multivector.MultiVectorTextEncoder`), or a plain transformers model.
 Qwen2-VL / Qwen2.5-VL / Qwen3-VL folders (and adapters over them) give a
 :class:`~bigbatch.encoders.vision.VisionLanguageEncoder`."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .multivector import multivector_settings
+from .text_multivector import multivector_settings
 from .text import TextEncoder
 
 __all__ = ["load_encoder", "st_settings"]
@@ -77,7 +77,7 @@ _VL_KEYS = _VL_ONLY_KEYS + ("max_length", "normalize")
 def _load_vision_language(path: Path, meta: dict[str, Any], overrides: dict[str, Any]) -> Any:
     """A Qwen-VL folder: single-vector, or multi-vector (ColQwen) when its
     ``bigbatch_encoder.json`` says ``"pooling": "multivector"``."""
-    from .colqwen import MultiVectorVisionEncoder
+    from .vision_multivector import MultiVectorVisionEncoder
     from .vision import VisionLanguageEncoder
 
     settings = {k: meta[k] for k in _VL_KEYS if k in meta}
@@ -147,7 +147,7 @@ def _attach_adapter(enc: Any, path: Path) -> Any:
 def _load_multivector(path: Path, meta: dict[str, Any], settings: dict[str, Any]) -> Any:
     """A PyLate-layout folder (bigbatch's or PyLate's): weights or an adapter, and the
     projection."""
-    from .multivector import MultiVectorTextEncoder
+    from .text_multivector import MultiVectorTextEncoder
 
     if settings.get("pooling", "multivector") != "multivector":
         raise ConfigError(f"{path} is a multi-vector (ColBERT) model; --pooling "

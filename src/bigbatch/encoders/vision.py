@@ -18,7 +18,7 @@ image call never leaks into a text call.
 The encoder is a GradCache tower fed raw examples: :meth:`VisionLanguageEncoder.collate`
 turns a chunk of examples into model inputs, loading its images only then. An example is a
 string (text) or an image document: anything with a ``path`` attribute (the page image) and
-optionally a ``text`` shown beside it, such as :class:`bigbatch.data.images.ImageDoc`.
+optionally a ``text`` shown beside it, such as :class:`bigbatch.data.records.image_checks.ImageDoc`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError, InputError
 from .base import EncoderBase, check_side, pool
-from .images import image_text, is_image_doc, load_image
+from .image_inputs import image_text, is_image_doc, load_image
 from .source import check_model_source, hub_load_errors, load_pretrained, model_reference
 
 __all__ = ["VisionLanguageEncoder", "VL_MODEL_TYPES", "QUERY_INSTRUCTION", "DOC_INSTRUCTION",

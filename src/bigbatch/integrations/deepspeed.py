@@ -12,7 +12,7 @@ reduce-scatter of the partitioned gradients), so no replay communicates. Then
 
 The scaling. bigbatch's cross-device loss gives each rank the exact gradient of the global
 loss for its own embeddings, so the model gradient is the **sum** over ranks of the replays'
-gradients (see :mod:`bigbatch.distributed`); DeepSpeed **averages** over its data-parallel
+gradients (see :mod:`bigbatch.engine.distributed`); DeepSpeed **averages** over its data-parallel
 ranks. The tower (:class:`DeepSpeedTower`) therefore multiplies the gradient flowing back into
 the engine by the data-parallel world size (exact for a power of two). The loss's own
 parameters (a learnable temperature) live outside the engine: the GradCache engine sums
@@ -51,8 +51,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..cache import GradCache, StepResult
-from ..embeddings import TokenEmbeddings
+from ..engine.gradcache import GradCache, StepResult
+from ..engine.embeddings import TokenEmbeddings
 from ..errors import ConfigError
 
 __all__ = ["DeepSpeedTower", "deepspeed_cache", "deepspeed_step", "check_engine",

@@ -10,7 +10,7 @@ the call) and returns the full-batch loss as a leaf whose backward
    ``1 / accumulation_steps`` and loss scale), adding them to the gradients of earlier
    micro-batches, which were set aside during the step;
 2. under ``torch.distributed``, sums every gradient over the ranks in one coalesced
-   all-reduce (:func:`bigbatch.distributed.all_reduce_gradients`), unless the loop deferred
+   all-reduce (:func:`bigbatch.engine.distributed.all_reduce_gradients`), unless the loop deferred
    synchronisation (a DDP ``no_sync()`` block, as gradient accumulation uses): then it
    happens on the micro-batch that synchronises, over the accumulated gradients.
 
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import chunking
-from .. import distributed as D
-from .. import embeddings as E
-from ..cache import GradCache
+from ..engine import chunking
+from ..engine import distributed as D
+from ..engine import embeddings as E
+from ..engine.gradcache import GradCache
 from ..errors import ConfigError
-from ..loss_contract import scalar_loss
+from ..engine.loss_contract import scalar_loss
 
 __all__ = ["gradcache_loss", "evaluation_loss", "trainable_params", "wants_sync",
            "check_wrappers"]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from ..cache import GradCache
+from ..engine.gradcache import GradCache
 from ..encoders.base import EncoderBase
 from ..errors import ConfigError
 from .deferred import evaluation_loss, gradcache_loss

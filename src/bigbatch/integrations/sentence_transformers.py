@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import distributed as D
-from ..cache import GradCache
-from ..chunking import Chunk
+from ..engine import distributed as D
+from ..engine.gradcache import GradCache
+from ..engine.chunking import Chunk
 from ..errors import ConfigError, InputError, ShapeError
 from ..losses import InfoNCE, LossOutput, PartialLoss
 from .deferred import evaluation_loss, gradcache_loss

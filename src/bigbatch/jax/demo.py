@@ -6,8 +6,8 @@ The settings are ``make demo``'s (``configs/demo_scifact.yaml``): batch 128 in c
 2 epochs, AdamW at 5e-5 with weight decay 0.01 (the temperature at 1e-3, without decay),
 2 warmup steps then cosine decay, temperature 0.05 learnable, max length 256, seed 42.
 The batches are bigbatch's (:class:`bigbatch.data.batches.EpochBatches` over
-:func:`bigbatch.data.beir.beir_training_records`), a duplicate passage masked by its
-content id; the metrics are :func:`bigbatch.evaluate.evaluate_beir`'s on the model wrapped
+:func:`bigbatch.data.readers.beir_dir.beir_training_records`), a duplicate passage masked by its
+content id; the metrics are :func:`bigbatch.retrieval.evaluate.evaluate_beir`'s on the model wrapped
 as :class:`bigbatch.jax.encode.FlaxTextEncoder`.
 
     python -m bigbatch.jax.demo --model PATH --data ../shared/data/scifact
@@ -75,8 +75,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     import optax
 
     from ..data.batches import EpochBatches
-    from ..data.beir import beir_training_records
-    from ..evaluate import evaluate_beir
+    from ..data.readers.beir_dir import beir_training_records
+    from ..retrieval.evaluate import evaluate_beir
     from .bert import bert_embed_fn, load_bert
     from .encode import FlaxTextEncoder
     from .losses import InfoNCE, id_codes
@@ -145,7 +145,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def print_table(result: dict[str, Any]) -> None:
     """The base and fine-tuned rows (``bigbatch eval``'s table, with the unseen-document
     queries' rows) and the wall time."""
-    from ..cli import format_eval_table
+    from ..retrieval.report import format_eval_table
 
     print("\n" + format_eval_table([{"model": "base", "metrics": result["base"]},
                                     {"model": "fine-tuned", "metrics": result["final"]}]))

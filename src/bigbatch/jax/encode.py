@@ -1,6 +1,6 @@
 """A Flax sentence encoder as bigbatch's evaluation and mining code expect one: ``encode(texts,
 side, batch_size, device, progress)`` returning float32 torch embeddings, so
-:func:`bigbatch.evaluate.evaluate_beir` scores a JAX model exactly as it scores a PyTorch one.
+:func:`bigbatch.retrieval.evaluate.evaluate_beir` scores a JAX model exactly as it scores a PyTorch one.
 
 Texts are tokenized with the model folder's tokenizer (transformers), embedded longest first
 in batches of ``batch_size`` rows, each batch padded to a multiple of 32 tokens (and short
@@ -38,7 +38,7 @@ class FlaxTextEncoder:
 
         model, params = load_bert(path)
         encoder = FlaxTextEncoder(model, params, path, max_length=256)
-        metrics = bigbatch.evaluate.evaluate_beir(encoder, "scifact", "test")
+        metrics = bigbatch.retrieval.evaluate.evaluate_beir(encoder, "scifact", "test")
     """
 
     multi_vector = False

@@ -1,4 +1,4 @@
-"""InfoNCE in JAX, with the semantics of :class:`bigbatch.InfoNCE` (``bigbatch.losses``):
+"""InfoNCE in JAX, with the semantics of :class:`bigbatch.InfoNCE` (``bigbatch.losses.infonce``):
 the same layout, temperature, symmetric direction, id and margin masking, metrics and
 block rule, written for ``jax.numpy`` and usable as the ``loss_fn`` of
 :func:`bigbatch.jax.cached_value_and_grad`.
@@ -9,7 +9,7 @@ query ``i``'s positive is document ``i * (1 + k)``, every other document is a ne
     loss = mean_i ( logsumexp_{j not masked}(t q_i.d_j) - t q_i.d_{p(i)} ),  t = exp(log_scale)
 
 Streamed (the default): the rows are scored in blocks of ``rows_per_block`` rows (the rule
-of :mod:`bigbatch.blockwise`) under ``jax.lax.scan``, each block under ``jax.checkpoint``, so
+of :mod:`bigbatch.losses.blockwise`) under ``jax.lax.scan``, each block under ``jax.checkpoint``, so
 its ``block x N`` logits are recomputed in the backward pass instead of stored: peak memory
 is one block's logits, not ``B x N``. ``dense=True`` (or ``block_size=0``) scores all rows
 at once.
@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..blockwise import MAX_BLOCK_LOGITS, STATS, check_blocking, rows_per_block
 from ..errors import ConfigError, InputError, ShapeError
-from ..losses import hard_negative_count, ids_tensor, initial_log_scale
+from ..losses.layout import (MAX_BLOCK_LOGITS, STATS, check_blocking, hard_negative_count,
+                             id_codes as _codes, initial_log_scale, rows_per_block)
 from .rows import fold_chunks
 
 __all__ = ["InfoNCE", "cross_entropy_sum", "id_codes"]
@@ -52,13 +52,17 @@ def id_codes(ids: Any, n: int, name: str = "doc_ids") -> jax.Array:
             raise ShapeError(f"{name} has {out.shape[0]} entries but there are {n} documents; "
                              f"give one id per document")
         return out
-    return jnp.asarray(ids_tensor(list(ids), n, "cpu", name).numpy())
+    codes = _codes(ids)
+    if len(codes) != n:
+        raise ShapeError(f"{name} has {len(codes)} entries but there are {n} documents; "
+                         f"give one id per document")
+    return jnp.asarray(np.asarray(codes, dtype=np.int64))
 
 
 def _block_sums(rows: jax.Array, cols: jax.Array, pos: jax.Array, row_ids: jax.Array | None,
                 col_ids: jax.Array | None, scale: jax.Array, group: int, margin: float | None,
                 with_stats: bool) -> tuple[jax.Array, jax.Array]:
-    """One block's loss sum and its :data:`~bigbatch.blockwise.STATS` sums (no gradient)."""
+    """One block's loss sum and its :data:`~bigbatch.losses.layout.STATS` sums (no gradient)."""
     acc = jnp.promote_types(rows.dtype, jnp.float32)
     sim = rows @ cols.T
     b, n = sim.shape
@@ -97,7 +101,7 @@ def cross_entropy_sum(rows: jax.Array, cols: jax.Array, pos: jax.Array, scale: j
                       row_ids: jax.Array | None = None, margin: float | None = None,
                       with_stats: bool = True) -> tuple[jax.Array, jax.Array]:
     """Sum over rows of the cross-entropy of ``scale * rows @ cols.T`` with positives ``pos``
-    (as :func:`bigbatch.blockwise.cross_entropy_sum`): ``(loss_sum, STATS sums)``.
+    (as :func:`bigbatch.losses.blockwise.cross_entropy_sum`): ``(loss_sum, STATS sums)``.
 
     ``block`` rows at a time under ``jax.lax.scan`` and ``jax.checkpoint`` (the last block may
     be shorter), or all at once when ``block`` is None. A column with its row's id

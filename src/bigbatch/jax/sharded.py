@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..errors import ConfigError, ShapeError
 from .rows import check_chunk_size, chunk_count, row_count
-from .step import (EmbedFn, LossFn, check_widths, embed_tower, replay_tower, tower_functions)
+from .step import EmbedFn, LossFn, check_widths, embed_tower, replay_tower, tower_functions
 
 __all__ = ["sharded_value_and_grad"]
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from .. import distributed as D
-from ..cache import GradCache
+from ..engine import distributed as D
+from ..engine.gradcache import GradCache
 from ..errors import ConfigError
 from ..losses import CorpusInfoNCE, InfoNCE
-from ..matryoshka import Matryoshka, check_dims
-from ..maxsim import MaxSimInfoNCE
+from ..losses.matryoshka import Matryoshka, check_dims
+from ..losses.maxsim import MaxSimInfoNCE
 from .config import TrainConfig, model_positions
 
 __all__ = ["DTYPES", "device_for", "build_encoder", "build_loss", "build_optimizer",
@@ -55,7 +55,7 @@ def build_encoder(config: TrainConfig, records: Sequence, lora_r: int) -> Any:
         ConfigError: image documents for a text model, a max length beyond the model's
             positions, or a bad encoder option.
     """
-    from ..data.records import summarize
+    from ..data.records.loader import summarize
     from ..encoders import TextEncoder, VisionLanguageEncoder, is_vision_language_model
 
     encoder_type = config.encoder
@@ -87,7 +87,7 @@ def build_encoder(config: TrainConfig, records: Sequence, lora_r: int) -> Any:
         raise ConfigError(f"--exclude-instruction-from-pooling: {config.model} is a "
                           f"vision-language model, pooled by its last token (never an "
                           f"instruction token); leave the option out")
-    from ..encoders.colqwen import MultiVectorVisionEncoder
+    from ..encoders.vision_multivector import MultiVectorVisionEncoder
     from ..encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
 
     # --pooling multivector: ColQwen-style, one projected vector per token
@@ -106,7 +106,7 @@ def build_encoder(config: TrainConfig, records: Sequence, lora_r: int) -> Any:
 def _multivector_encoder(config: TrainConfig, common: dict[str, Any]) -> Any:
     """The ColBERT-style text encoder: a multi-vector folder's own settings (markers,
     masks), then the configuration's."""
-    from ..encoders.multivector import MultiVectorTextEncoder, multivector_settings
+    from ..encoders.text_multivector import MultiVectorTextEncoder, multivector_settings
 
     settings = multivector_settings(config.model) or {}
     settings.update(common, dim=config.multivector_dim,
@@ -117,7 +117,7 @@ def _multivector_encoder(config: TrainConfig, common: dict[str, Any]) -> Any:
 
 def build_loss(config: TrainConfig, corpus: Any, device: torch.device) -> torch.nn.Module:
     """InfoNCE over the batch's documents (with ``--extra-negatives``), or with ``corpus`` (a
-    :class:`~bigbatch.train.corpus.FixedCorpus`) CorpusInfoNCE over its embeddings; with
+    :class:`~bigbatch.train.corpus_negatives.FixedCorpus`) CorpusInfoNCE over its embeddings; with
     ``--pooling multivector``, MaxSimInfoNCE (scores divided by the query's token count, so
     the temperature means what it means for one vector per text). With
     ``--matryoshka-dims``, the loss wrapped in :class:`~bigbatch.Matryoshka`."""

@@ -194,7 +194,7 @@ def render_model_card(model_dir: str | Path, config: Any, state: dict[str, Any],
         lines += ["", "## Evaluation", "", "### Metrics", "",
                   "#### Information Retrieval", "",
                   f"* Dataset: `{eval_name}` (split `{config.eval_split}`), full-corpus "
-                  f"retrieval", "* Evaluated with <code>bigbatch.evaluate.evaluate_beir</code>",
+                  f"retrieval", "* Evaluated with <code>bigbatch.retrieval.evaluate.evaluate_beir</code>",
                   "", _metric_table(evals, columns, step),
                   "", "* The bold row denotes the saved model; step 0 is the base model."]
     lines += ["", "## Training Details", "", "### Training Dataset", "",

@@ -200,7 +200,7 @@ class TrainConfig:
             raise bad("lora_dropout", "must be in [0, 1)")
         if self.lora_r > 0 and self.lora_alpha == 0:
             raise bad("lora_alpha", "0 means full fine-tuning; then set --lora-r 0 too")
-        from ..evaluate import METRIC_NAMES
+        from ..retrieval.evaluate import METRIC_NAMES
         metric = self.best_metric.removeprefix("unseen/")
         if metric not in METRIC_NAMES:
             raise bad("best_metric", f"must be one of {METRIC_NAMES} (optionally 'unseen/...')")
@@ -212,8 +212,8 @@ class TrainConfig:
     def _validate_guide_and_distill(self, bad: Any) -> None:
         """The options of guided filtering (``--guide-model``) and distillation
         (``--distill``): InfoNCE over the batch's documents only."""
-        from ..distill import OBJECTIVES
-        from ..guided import MARGIN_TYPES
+        from ..losses.distill import OBJECTIVES
+        from ..losses.guided import MARGIN_TYPES
 
         if self.guide_margin_type not in MARGIN_TYPES:
             raise bad("guide_margin_type", f"must be one of {MARGIN_TYPES}")
@@ -328,7 +328,7 @@ class TrainConfig:
     def _validate_objectives(self, bad: Any) -> None:
         """Matryoshka widths, extra in-batch negatives and the token budget per chunk."""
         from ..losses import extra_negatives_of
-        from ..matryoshka import check_dims
+        from ..losses.matryoshka import check_dims
 
         if self.matryoshka_dims is not None:
             check_dims(self.matryoshka_dims, self.matryoshka_weights, what="--matryoshka-dims")
@@ -628,7 +628,7 @@ def _model_defaults(values: dict[str, Any]) -> dict[str, Any]:
 
 def _multivector_defaults(model: Path) -> dict[str, Any] | None:
     """The options a multi-vector (PyLate-layout) folder gives, or None for another folder."""
-    from ..encoders.multivector import multivector_settings
+    from ..encoders.text_multivector import multivector_settings
 
     found = multivector_settings(model)
     if found is None:

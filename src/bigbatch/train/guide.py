@@ -2,7 +2,7 @@
 
 The guide embeds each step's local batch once, in eval mode and without gradients, and the
 loss masks the negatives it scores above their query's positive
-(:mod:`bigbatch.guided`). It is never replayed, never trained and never saved with the run;
+(:mod:`bigbatch.losses.guided`). It is never replayed, never trained and never saved with the run;
 its width may differ from the trained model's. ``--guide-model self`` is the trained
 model's own starting weights (``--model``, without the adapter or any update), loaded again,
 so a resumed run has the same guide as the run it continues.

@@ -23,21 +23,21 @@ from typing import Any
 
 import torch
 
-from .. import distributed as D
+from ..engine import distributed as D
 from .._progress import progress_bar
 from ..errors import ConfigError
 from .build import (DTYPES, build_cache, build_deepspeed, build_encoder, build_loss,
                     build_optimizer, check_matryoshka_width, device_for)
 from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run, latest_checkpoint,
-                         load_checkpoint, recover_output_dir, rotate_checkpoints,
-                         save_checkpoint, write_errors)
+                         load_checkpoint, recover_output_dir, rotate_checkpoints, save_checkpoint,
+                         write_errors)
 from .config import TrainConfig
-from .corpus import FixedCorpus
+from .corpus_negatives import FixedCorpus
 from .guide import Guide
 from .logging import RunLogger, eval_columns, format_eval_row, plot_metrics
 from .memory_check import check_fits, describe, estimate_run_step, free_memory
 from .outdir import check_output_dir, claim_output_dir, remove_created
-from .ranks import barrier, from_main, gather_rng_states
+from .main_rank import barrier, from_main, gather_rng_states
 from .resume import check_resume_matches, check_resumed_data, check_resumed_step, resume_path
 from .runid import new_run_id, run_id_of
 from .schedule import make_scheduler
@@ -131,7 +131,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ build
     def __init__(self, config: TrainConfig) -> None:
-        from ..evaluate import LOWER_IS_BETTER, check_beir_split
+        from ..retrieval.evaluate import LOWER_IS_BETTER, check_beir_split
 
         config.validate()
         self.config = config
@@ -159,7 +159,7 @@ class Trainer:
         self.records = self.sources[0].records if len(self.sources) == 1 else \
             ChainedRecords([s.records for s in self.sources])
         if config.distill:  # every record needs its teacher scores, before any model loads
-            from ..data.records import check_teacher_scores
+            from ..data.records.loader import check_teacher_scores
             for src in self.sources:
                 check_teacher_scores(src.records)
         self.eval_sets = config.eval_sets()
@@ -231,7 +231,7 @@ class Trainer:
     def _build_encoder(self) -> Any:
         """The encoder, on the device, in training mode, its documents' instructions checked;
         in query-side tuning with the frozen document tower."""
-        from ..data.records import check_instructions
+        from ..data.records.loader import check_instructions
 
         encoder = build_encoder(self.config, self.records, self.lora_r).to(self.device)
         check_matryoshka_width(self.config, encoder)  # and the saved models record the dims
@@ -351,7 +351,7 @@ class Trainer:
     def evaluate(self, step: int) -> dict[str, float] | None:
         """The main rank's retrieval metrics on ``--eval-data`` (logged and shown), the same
         on every rank; None without evaluation data."""
-        from ..evaluate import evaluate_sets
+        from ..retrieval.evaluate import evaluate_sets
 
         config = self.config
         if not self.eval_sets:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .. import distributed as D
+from ..engine import distributed as D
 from ..errors import ConfigError
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig

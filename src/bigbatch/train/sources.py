@@ -45,13 +45,13 @@ class ChainedRecords(Sequence):
 
 def _load_records(config: TrainConfig, spec: Any, k: int, several: bool) -> Sequence[Any]:
     """One source's records (capped by its ``max_records``), read by index
-    (:func:`~bigbatch.data.record_store.open_records`: the main rank validates and indexes
+    (:func:`~bigbatch.data.records.store.open_records`: the main rank validates and indexes
     the source once while the others wait, then every rank opens the index); a problem
     names the source."""
-    from .. import distributed as D
+    from ..engine import distributed as D
     from ..data.mix import CappedRecords
-    from ..data.record_store import open_records
-    from .ranks import main_first
+    from ..data.records.store import open_records
+    from .main_rank import main_first
 
     try:
         records = main_first(lambda: open_records(spec.path, config.train_split, k,

@@ -1,5 +1,5 @@
 """Reading and writing the training-data formats of the field, through one record type
-(:class:`~bigbatch.data.types.Record`).
+(:class:`~bigbatch.data.records.types.Record`).
 
 Formats (``--from`` / ``--to`` names), one module each, registered in one table of how each
 is detected, read and written:
@@ -17,14 +17,14 @@ is detected, read and written:
   ``negative_1..k``) as JSONL, Parquet, CSV or a ``datasets`` folder. Text only.
 - ``colpali`` (:mod:`.colpali`): colpali-engine / ViDoRe tables with page images in the
   rows: read only by conversion, which writes the images to files
-  (:mod:`bigbatch.data.colpali`); validate and training say so, with the command.
+  (:mod:`bigbatch.data.tools.convert_colpali`); validate and training say so, with the command.
 - ``beir`` (:mod:`.beir`): a BEIR directory. Text documents and (query, positive) pairs only.
 
-A folder of JSONL or Parquet shards (:mod:`bigbatch.data.shards`) is read as one source in
+A folder of JSONL or Parquet shards (:mod:`bigbatch.data.readers.shards`) is read as one source in
 the format of its first shard, each shard naming itself in messages.
 
 Teacher scores for distillation (a record's ``pos_score`` and ``neg_scores``, kept on each
-document as :attr:`~bigbatch.data.types.Doc.score`) are read and written by ``contrastors``,
+document as :attr:`~bigbatch.data.records.types.Doc.score`) are read and written by ``contrastors``,
 ``swift`` (the same two keys) and ``st`` (columns ``pos_score``, ``neg_score_1..k``); each
 reader checks them against the record's negatives (:func:`.common.with_scores`).
 
@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataError
-from ..files import open_data_file
-from ..jsonl import open_jsonl
-from ..shards import is_shard_folder, shard_files
-from ..types import Doc, Problem, Record
+from ..readers.files import open_data_file
+from ..readers.jsonl import open_jsonl
+from ..readers.shards import is_shard_folder, shard_files
+from ..records.types import Doc, Problem, Record
 from . import beir, colpali, contrastors, st, swift
 from .common import Format, WriteOptions
 from .instructions import instruction_problems, system_prompts
@@ -94,7 +94,7 @@ def detect_format(path: str | Path) -> str:
     a Hugging Face ``datasets`` folder is st, any other BEIR), a .parquet or .csv file (st)
     or the first record's keys. Parquet or a ``datasets``
     folder with colpali-engine's columns (a ``query`` and a page-image column) is
-    ``colpali``, which is only read by conversion (:mod:`bigbatch.data.colpali`).
+    ``colpali``, which is only read by conversion (:mod:`bigbatch.data.tools.convert_colpali`).
 
     Raises:
         DataError: an empty file, or a first record that is not a JSON object (naming its

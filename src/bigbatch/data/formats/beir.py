@@ -3,7 +3,7 @@
 documents and (query, positive) pairs only. A document's title is read joined to its text
 ("title text", what training and evaluation embed), since no other format has a title
 field; a BEIR directory written here has empty titles and the joined text. Reading is
-:func:`bigbatch.data.beir.read_beir`, the one path from a BEIR directory to records.
+:func:`bigbatch.data.readers.beir_dir.read_beir`, the one path from a BEIR directory to records.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..beir import read_beir
-from ..tables import is_hf_dataset
-from ..types import Problem, Record, text_id
+from ..readers.beir_dir import read_beir
+from ..readers.tables import is_hf_dataset
+from ..records.types import Problem, Record, text_id
 from .common import Format, WriteOptions, text_only
 
 __all__ = ["FORMAT"]
 
 
 def read(path: Path, problems: list[Problem], split: str = "train") -> list[Record]:
-    """The (query, positive) pairs of ``split`` (:func:`~bigbatch.data.beir.read_beir`), its
+    """The (query, positive) pairs of ``split`` (:func:`~bigbatch.data.readers.beir_dir.read_beir`), its
     problems added to ``problems``."""
     return read_beir(path, split, problems)
 

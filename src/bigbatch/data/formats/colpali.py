@@ -1,7 +1,7 @@
 """The ``colpali`` format, read only by conversion: colpali-engine / ViDoRe tables (Parquet
 or a ``datasets`` folder) with a ``query`` column and the page as a Hugging Face ``Image``
 column. Recognising such a table and naming its columns by role lives here; converting it
-(its images written to files) is :mod:`bigbatch.data.colpali`. Validate and training say
+(its images written to files) is :mod:`bigbatch.data.tools.convert_colpali`. Validate and training say
 it must be converted, with the command.
 
 An ``Image`` feature is stored in Parquet and Arrow as a struct ``{bytes, path}``.
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DataError
-from ..tables import has_split, is_hf_dataset, table_files, table_schema
-from ..types import Problem, Record
+from ..readers.tables import has_split, is_hf_dataset, table_files, table_schema
+from ..records.types import Problem, Record
 from .common import Format
 
 __all__ = ["FORMAT", "QUERY_COLUMN", "POSITIVE_COLUMNS", "NEGATIVE_COLUMNS", "CORPUS_ID_COLUMNS",

@@ -1,7 +1,7 @@
 """What every file format module shares: the :class:`Format` entry each one registers, the
 options writers take, and the pieces several readers and writers use (record ids, JSONL
 writing; JSONL lines with their problems and text fields come from
-:mod:`bigbatch.data.jsonl`)."""
+:mod:`bigbatch.data.readers.jsonl`)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..jsonl import jsonl_rows, text_field
-from ..types import Doc, Problem, Record
+from ..readers.jsonl import jsonl_rows, text_field
+from ..records.types import Doc, Problem, Record
 
-# jsonl_rows and text_field are defined in bigbatch.data.jsonl (the BEIR reader shares them)
+# jsonl_rows and text_field are defined in bigbatch.data.readers.jsonl (the BEIR reader shares them)
 # and stay importable from here
 __all__ = ["Format", "WriteOptions", "RowParser", "Stream", "jsonl_stream", "read_all", "ID_KEY",
            "SCORE_KEYS", "with_scores", "add_scores",
@@ -70,7 +70,7 @@ class Format:
     suffixes: tuple[str, ...] = (".jsonl",)
     # the records one at a time (bounded memory: what training indexes a file with), and
     # one row (a JSON object or a table row) to its record: formats with both are read
-    # lazily for training (:mod:`bigbatch.data.record_store`)
+    # lazily for training (:mod:`bigbatch.data.records.store`)
     stream: Stream | None = None
     parse: RowParser | None = None
 

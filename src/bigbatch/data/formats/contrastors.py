@@ -11,9 +11,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..types import Doc, Problem, Record, is_image_path
-from .common import (ID_KEY, SCORE_KEYS, Format, WriteOptions, add_ids, add_scores,
-                     jsonl_stream, read_all, text_field, with_ids, with_scores, write_jsonl)
+from ..records.types import Doc, Problem, Record, is_image_path
+from .common import (ID_KEY, SCORE_KEYS, Format, WriteOptions, add_ids, add_scores, jsonl_stream,
+                     read_all, text_field, with_ids, with_scores, write_jsonl)
 
 __all__ = ["FORMAT", "CONTRASTORS_KEYS"]
 

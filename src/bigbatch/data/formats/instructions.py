@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..types import Problem, Record
+from ..records.types import Problem, Record
 
 __all__ = ["SystemCounts", "instruction_problems", "system_prompts", "record_systems"]
 

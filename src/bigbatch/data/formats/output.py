@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..types import Doc, Problem, Record, source_folder
+from ..records.types import Doc, Problem, Record, source_folder
 from .common import Format
 from .instructions import SystemCounts, record_systems
 

@@ -7,7 +7,7 @@ Detected for JSONL whose first record has ``messages``.
 
 A query image, several images in a document, text before ``<image>``, images without an
 ``<image>`` tag, video and audio, and conversations of more than one user turn (assistant
-or tool turns) cannot be held (reported, see :attr:`~bigbatch.data.types.Record.lost`).
+or tool turns) cannot be held (reported, see :attr:`~bigbatch.data.records.types.Record.lost`).
 Each conversation's system message is read as its instruction and written back as it was
 (records of other formats get the instruction options, :data:`SWIFT_QUERY_INSTRUCTION` and
 :data:`SWIFT_DOC_INSTRUCTION` by default).
@@ -19,9 +19,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..types import Doc, Problem, Record
-from .common import (Format, WriteOptions, add_ids, add_scores, jsonl_stream, read_all,
-                     with_ids, with_scores, write_jsonl)
+from ..records.types import Doc, Problem, Record
+from .common import (Format, WriteOptions, add_ids, add_scores, jsonl_stream, read_all, with_ids,
+                     with_scores, write_jsonl)
 
 __all__ = ["FORMAT", "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION"]
 

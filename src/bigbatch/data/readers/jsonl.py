@@ -1,0 +1,124 @@
+"""Reading JSONL files line by line with the line number, for every reader in bigbatch.data:
+each line's object or what is wrong with it (:func:`iter_jsonl`), the good lines with the
+bad ones as problems (:func:`jsonl_rows`), and the one rule for a text field
+(:func:`text_field`)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from .files import open_data_file
+from ..records.types import Problem
+
+__all__ = ["iter_jsonl", "open_jsonl", "LineProblem", "jsonl_rows", "text_field"]
+
+# a JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way one gets into a string,
+# since the file itself is decoded as strict UTF-8
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+class LineProblem(str):
+    """What is wrong with a line (the string itself), and the ``field`` it is in when known."""
+
+    field: str | None
+
+    def __new__(cls, message: str, field: str | None = None) -> "LineProblem":
+        self = super().__new__(cls, message)
+        self.field = field
+        return self
+
+
+def _not_unicode(value: Any, name: str = "") -> tuple[str, str] | None:
+    """(field, character) of the first string in ``value`` holding an unpaired surrogate
+    (which no tokenizer, hash or UTF-8 writer accepts), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return name, value[e.start]
+        return None
+    items = (value.items() if isinstance(value, dict) else
+             enumerate(value) if isinstance(value, list) else ())
+    for k, v in items:
+        sub = f"{name}[{k}]" if isinstance(k, int) else f"{name}.{k}" if name else str(k)
+        found = _not_unicode(k, sub) if isinstance(k, str) else None
+        found = found or _not_unicode(v, sub)
+        if found:
+            return found
+    return None
+
+
+def open_jsonl(path: str | Path) -> IO[str]:
+    """A JSONL file opened for reading: a regular file (else a DataError naming it), decoded
+    as UTF-8 with undecodable bytes kept as surrogate escapes (for the reader to report)."""
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first record
+    return open_data_file(path, encoding="utf-8-sig", errors="surrogateescape")
+
+
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, LineProblem | None]]:
+    """Yield ``(line number, object, None)`` for each non-empty line holding a JSON object, and
+    ``(line number, None, problem)`` for one that does not (malformed JSON, not a JSON
+    object, not UTF-8, or text that is not valid Unicode); the caller raises or collects.
+    Malformed JSON is named with its column (the line is the line number).
+
+    Raises:
+        DataError: naming the file, when it cannot be opened or is not a regular file (a
+            FIFO, a device: :func:`~bigbatch.data.readers.files.open_regular`).
+    """
+    with open_jsonl(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.startswith("\ufeff"):  # files concatenated with their marks
+                line = line[1:]
+            if not line.strip():
+                continue
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError as e:  # an undecodable byte, kept as a surrogate escape
+                yield n, None, LineProblem(
+                    f"not UTF-8 text (byte 0x{ord(line[e.start]) - 0xDC00:02x} at column "
+                    f"{e.start + 1}); re-encode the file as UTF-8")
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield n, None, LineProblem(f"malformed JSON at column {e.colno} ({e.msg})")
+                continue
+            if not isinstance(rec, dict):
+                yield n, None, LineProblem("expected a JSON object")
+                continue
+            if _SURROGATE_ESCAPE.search(line):
+                found = _not_unicode(rec)
+                if found is not None:
+                    yield n, None, LineProblem(
+                        f"holds an unpaired UTF-16 surrogate ({found[1]!r}), which is not valid "
+                        f"Unicode text; fix or remove it", field=found[0] or None)
+                    continue
+            yield n, rec, None
+
+
+def jsonl_rows(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each good line of a JSONL file; a bad line is a problem."""
+    for n, rec, problem in iter_jsonl(path):
+        if problem is not None:
+            problems.append(Problem(str(path), n, problem.field, str(problem)))
+        else:
+            yield n, rec
+
+
+def text_field(rec: dict, key: str, where: tuple[str, int], problems: list[Problem],
+               required: bool = True) -> str | None:
+    """``rec[key]`` when it is non-empty text; else None, and a problem at ``where`` (file,
+    line) unless the key is absent and not ``required``."""
+    v = rec.get(key)
+    if v is None:
+        if required:
+            problems.append(Problem(where[0], where[1], key, "missing"))
+        return None
+    if not isinstance(v, str) or not v.strip():
+        problems.append(Problem(where[0], where[1], key, "must be non-empty text"))
+        return None
+    return v

@@ -1,0 +1,1 @@
+"""Data tools behind commands: query-document pairs, page rendering, colpali conversion."""

@@ -1,0 +1,476 @@
+"""The GradCache engine: one optimizer step whose gradients equal those of the full
+batch while only one chunk's activations are alive at a time.
+
+For every step the engine:
+
+1. embeds each chunk of each tower with gradients off, recording the random state
+   of the chunk (:class:`bigbatch.engine.rng.RandContext`) before it is collated, so that
+   dropout and a random ``collate_fn`` (augmentation) can be replayed;
+2. computes the loss on all cached embeddings (detached leaves) and backpropagates
+   to them, which yields ``dL/d(embedding)`` for every example (and the gradient of
+   the loss's own parameters, such as a learnable temperature);
+3. re-embeds each chunk with gradients on, under its recorded random state, and
+   backpropagates ``dL/d(embedding)`` into the tower's parameters.
+
+By the chain rule the parameter gradients are those of the full-batch loss. The last
+chunk of the last trainable tower is embedded with gradients already in step 1 and
+its graph kept, so it is not replayed (one forward saved per step, at the memory cost
+of that single chunk's activations). A tower without trainable parameters is embedded
+once and never replayed.
+
+The engine is small and overridable, as luyug/GradCache's is: subclass and override
+:meth:`GradCache.split_inputs` (how a tower's inputs become chunks), :meth:`GradCache.embed`
+(how a tower is called on a chunk), or :meth:`GradCache.compute_loss`. How inputs are cut
+into chunks is :mod:`bigbatch.engine.chunking`; what the ranks of ``torch.distributed`` agree on
+and exchange around the three stages (and how a failure on one rank ends the step on all)
+is :mod:`bigbatch.engine.rank_step`. A tower may return one vector per token
+(:class:`bigbatch.TokenEmbeddings`) for a late-interaction loss; what the cache then holds,
+and its memory, is :mod:`bigbatch.engine.embeddings`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import chunking, rank_step as crossrank
+from . import distributed as D
+from . import embeddings as E
+from .chunking import Chunk
+from .embeddings import Embedding
+from ..errors import ConfigError, InputError, NonFiniteError
+from .loss_contract import LossArguments, loss_and_metrics, scalar_loss
+from .rng import RandContext
+
+__all__ = ["GradCache", "StepResult"]
+
+
+@dataclass
+class StepResult:
+    """What :meth:`GradCache.step` returns.
+
+    Attributes:
+        loss: the detached full-batch loss (unscaled, even with a GradScaler).
+        metrics: the loss's detached metrics (0-d tensors), e.g. ``pos_sim``, ``accuracy``;
+            a metric given as a plain number becomes a tensor on the loss's device.
+    """
+
+    loss: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        dev = self.loss.device
+        self.metrics = {k: v.detach().to(dev) if isinstance(v, Tensor) else
+                        torch.as_tensor(v, device=dev) for k, v in self.metrics.items()}
+
+    def to_dict(self) -> dict[str, float]:
+        """Loss and metrics as Python floats, with one host-device synchronisation."""
+        keys = ["loss", *self.metrics]
+        values = torch.stack([self.loss.float(), *(v.float() for v in self.metrics.values())])
+        return dict(zip(keys, values.tolist()))
+
+
+@dataclass
+class _TowerRun:
+    """Per-tower state kept between the three stages of one ``step()``."""
+
+    name: str
+    trainable: bool
+    chunks: list[Chunk]
+    rows: list[int]
+    order: Tensor | None  # permutation applied before chunking (length ordering)
+    contexts: list[RandContext] = field(default_factory=list)
+    reps: Embedding | None = None
+    kept: Embedding | None = None  # last chunk's embedding with its graph, not replayed
+    spans: list[tuple[int, int]] | None = None  # token embeddings: each chunk's cached columns
+
+
+def _is_trainable(tower: Callable) -> bool:
+    params = getattr(tower, "parameters", None)
+    if not callable(params):
+        return True  # a plain function: we cannot know, so treat it as trainable
+    return any(p.requires_grad for p in params())
+
+
+class GradCache:
+    """Exact gradient caching for contrastive losses over one or more towers.
+
+    Args:
+        towers: ``{name: tower}``; a tower is any callable from one chunk of inputs to a
+            ``(rows, dim)`` tensor, or to :class:`bigbatch.TokenEmbeddings` ``(values
+            (rows, tokens, dim), mask (rows, tokens))`` for the arguments a late-interaction
+            loss names in its ``token_inputs`` (the cache then holds ``rows x tokens x dim``
+            per tower, ``tokens`` the batch's longest row). A dict chunk is passed as keyword
+            arguments (``tower(**chunk)``, as Hugging Face models expect), anything else as
+            the one positional argument. The same module may serve several towers.
+        loss_fn: called as ``loss_fn(**{name: embeddings}, **loss_kwargs)``; returns a scalar
+            tensor, a ``(loss, metrics)`` pair (e.g. :class:`bigbatch.InfoNCE`) or a dict with
+            a ``"loss"`` key. Any loss works, not only InfoNCE.
+        chunk_size: rows per chunk, one int for all towers or ``{name: int}``; with
+            ``chunk_tokens``, the most rows a chunk may hold.
+        chunk_tokens: a token budget per chunk, one int for all towers or ``{name: int}``
+            (towers left out are cut by rows alone): a chunk holds as many rows as fit this
+            many padded tokens (rows x the chunk's longest row, after ``trim_padding``), so
+            one chunk's activations stay bounded when short and long texts mix. With
+            ``sort_by_length`` the rows are packed longest first. A row longer than the budget
+            is a chunk of its own. Needs tokenized inputs (a dict with a 2-d
+            ``attention_mask``, or a ``(rows, tokens)`` tensor) and the default
+            :meth:`split_inputs`. Exact, as row chunks are.
+        collate_fn: for towers fed lists of raw examples: a callable (all towers) or
+            ``{name: callable}`` that turns a list of examples into a tensor or dict. It runs
+            under the chunk's recorded random state, so random augmentation in it draws the
+            same numbers when the chunk is replayed.
+        device: if given, each chunk is moved there just before its tower runs, so a batch
+            far larger than accelerator memory can be held on the host.
+        autocast_dtype: run the towers under ``torch.autocast`` with this dtype
+            (``torch.bfloat16`` or ``torch.float16``); loss and surrogate stay in float32.
+        scaler: a ``torch.amp.GradScaler`` for float16: the loss is scaled before its
+            backward, so the cached and parameter gradients come out scaled; call
+            ``scaler.step(optimizer)`` and ``scaler.update()`` as usual.
+        sort_by_length: order examples by token count (``attention_mask``) before chunking,
+            so chunks hold similar lengths; embeddings are put back in the original order
+            before the loss, so the result is that of the unordered run. Only with the
+            default :meth:`split_inputs` (an override defines its own layout).
+        trim_padding: cut each chunk of tokenized inputs to its own longest row (columns
+            that are padding in every row of the chunk are dropped; both padding sides).
+            Right padding is always exact. Dropping leading (left-padding) columns shifts
+            absolute positions, which is exact for rotary (relative) position models, the
+            ones that pad on the left, or when ``position_ids`` are given (they are cut
+            too); set False for an absolute-position model fed left-padded inputs.
+        reuse_last_chunk: embed the final chunk with gradients in step 1 and keep its graph,
+            saving its replay.
+        check_finite: raise :class:`NonFiniteError` on NaN/inf embeddings or loss, before
+            any gradient is written (one host-device synchronisation per step).
+        cross_device: under ``torch.distributed`` with more than one process, gather every
+            rank's embeddings so each query sees the whole global batch as negatives, with
+            gradients flowing back to the rank that embedded them (see
+            :mod:`bigbatch.engine.distributed` for the exact scaling). False: each rank's loss is local.
+        process_group: the group to gather over and synchronise in (default: the world).
+        sync_gradients: under ``torch.distributed``, sum the gradients over ranks once per
+            step (one coalesced all-reduce, which also carries the failure flags of the
+            step's second pass; with False, a small all-gather of those flags ends the step).
+            Towers wrapped in DistributedDataParallel are called through their inner module,
+            so DDP never synchronises on its own; FSDP2 (``fully_shard``) towers
+            reduce-scatter once, on the last replay that reaches them.
+        params: the parameters to synchronise, when a tower is a plain function whose
+            parameters the engine cannot find (default: the towers' and the loss's).
+
+    Raises:
+        ConfigError: bad options (chunk size <= 0, a loss that does not take a tower's name).
+    """
+
+    def __init__(self, towers: Mapping[str, Callable[..., Tensor]], loss_fn: Callable[..., Any],
+                 chunk_size: int | Mapping[str, int], *,
+                 chunk_tokens: int | Mapping[str, int] | None = None,
+                 collate_fn: Callable[[list], Any] | Mapping[str, Callable[[list], Any]] | None = None,
+                 device: torch.device | str | None = None,
+                 autocast_dtype: torch.dtype | None = None,
+                 scaler: Any = None,
+                 sort_by_length: bool = False,
+                 trim_padding: bool = True,
+                 reuse_last_chunk: bool = True,
+                 check_finite: bool = True,
+                 cross_device: bool = True,
+                 process_group: Any = None,
+                 sync_gradients: bool = True,
+                 params: Any = None) -> None:
+        if not isinstance(towers, Mapping) or not towers:
+            raise ConfigError("towers must be a non-empty dict {name: callable}, e.g. "
+                              "{'query': encoder, 'doc': encoder}")
+        for name, tower in towers.items():
+            if not callable(tower):
+                raise ConfigError(f"tower {name!r} is not callable ({type(tower).__name__})")
+        self.towers: dict[str, Callable[..., Tensor]] = dict(towers)
+        self.loss_fn = loss_fn
+        self.chunk_sizes = chunking.chunk_sizes(chunk_size, self.towers)
+        self.chunk_tokens = self._token_budgets(chunk_tokens)
+        self.collate_fns = chunking.collate_fns(collate_fn, self.towers)
+        self.device = torch.device(device) if device is not None else None
+        if autocast_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
+            raise ConfigError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None, "
+                              f"got {autocast_dtype!r}")
+        self.autocast_dtype = autocast_dtype
+        self.scaler = scaler
+        self.sort_by_length = sort_by_length
+        self.trim_padding = trim_padding
+        self.reuse_last_chunk = reuse_last_chunk
+        self.check_finite = check_finite
+        self.cross_device = cross_device
+        self.process_group = process_group
+        self.sync_gradients = sync_gradients
+        self._explicit_params = None if params is None else list(params)
+        self.last_sync_calls = 0  # collectives the last step used to synchronise gradients
+        self._where = ""  # where in the step this rank is, for a failure's message
+        self._loss_args = LossArguments(loss_fn, self.towers)
+
+    # ------------------------------------------------------------ overridables
+    def split_inputs(self, name: str, inputs: Any, chunk_size: int) -> tuple[list[Chunk], list[int]]:
+        """Cut one tower's inputs into chunks of at most ``chunk_size`` rows.
+
+        Returns the chunks and their row counts. Tensors and batch-aligned dict values
+        are sliced on their first dimension; other dict values are passed to every chunk.
+        Tokenized dicts (with ``attention_mask``) are trimmed to each chunk's longest row.
+        Lists of raw examples are split; each piece is collated with the tower's
+        ``collate_fn`` when it is embedded and again when it is replayed, never all at once
+        (see :func:`bigbatch.engine.chunking.split_inputs`).
+
+        Override it for layouts whose first dimension is not the batch (e.g. a
+        vision-language processor's patches of all images concatenated): the engine takes
+        the tower's row count from the returned ``rows`` (one positive int per chunk; the
+        tower must return that many embeddings for the chunk) and never inspects the inputs.
+        """
+        return chunking.split_inputs(inputs, chunk_size, name=name,
+                                     collate=self.collate_fns.get(name),
+                                     trim_padding=self.trim_padding)
+
+    def embed(self, name: str, chunk: Chunk) -> Embedding:
+        """Run tower ``name`` on one chunk: ``tower(**chunk)`` for a dict, else ``tower(chunk)``."""
+        tower = D.unwrap_ddp(self.towers[name])  # DDP's own forward would sync buffers
+        if isinstance(chunk, Mapping):
+            return tower(**chunk)
+        return tower(chunk)
+
+    def compute_loss(self, reps: dict[str, Embedding], **loss_kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """Call the loss on the full-batch embeddings and return ``(loss, metrics)``."""
+        return loss_and_metrics(self.loss_fn(**reps, **loss_kwargs))
+
+    # -------------------------------------------------------------------- step
+    def step(self, **inputs: Any) -> StepResult:
+        """Run one GradCache step and accumulate the full-batch gradient into ``.grad``.
+
+        Keyword arguments named after a tower are that tower's inputs; the others go to
+        the loss (e.g. ``doc_ids``). Returns a :class:`StepResult`. The step runs with
+        gradients enabled even when called under ``torch.no_grad()``. Under
+        ``torch.distributed``, a failure on any rank is raised on every rank at once, and
+        the ranks stay in step (see :mod:`bigbatch.engine.rank_step`).
+
+        Raises:
+            InputError: a tower's input is missing or empty, an argument is neither a
+                tower nor accepted by the loss, or a token row with every token masked.
+            ShapeError: a tower output is not ``(rows, dim)`` (or TokenEmbeddings of a
+                wrong shape), a chunk's width is not the first chunk's, or an output is
+                not the kind the loss takes for that tower.
+            NonFiniteError: NaN/inf in an embedding or in the loss (nothing written yet).
+            ConfigError: called under ``torch.inference_mode()``, which nothing can lift.
+        """
+        if torch.is_inference_mode_enabled():
+            raise ConfigError("GradCache.step() computes gradients; it cannot run under "
+                              "torch.inference_mode() (call it outside that block)")
+        ranks = self._rank_step()
+        if ranks.distributed:
+            return self._step_across_ranks(ranks, inputs)
+        loss_kwargs = self._loss_args.of_step(inputs)
+        runs = [self._plan(name, inputs[name]) for name in self.towers]
+        self._where = ""
+        with crossrank.no_sync(self.towers, ranks.fsdp), torch.enable_grad():
+            self._embed_all(runs)                                        # (1) no gradients
+            total, metrics = self._loss_and_backward(runs, loss_kwargs)  # (2) dL/d(embedding)
+            self._replay_all(runs, ranks.fsdp)                           # (3) with gradients
+        return StepResult(total, metrics)
+
+    def _step_across_ranks(self, ranks: crossrank.RankStep, inputs: dict[str, Any]) -> StepResult:
+        """:meth:`step` under ``torch.distributed``: the same three stages, with the
+        agreements of :class:`bigbatch.engine.rank_step.RankStep` between them."""
+        runs: list[_TowerRun] = []
+        loss_kwargs: dict[str, Any] = {}
+        params: list[nn.Parameter] = []
+        failure: Exception | None = None
+        try:
+            loss_kwargs = self._loss_args.of_step(inputs)
+            runs = [self._plan(name, inputs[name], allow_empty=True) for name in self.towers]
+            params = ranks.params_to_sync()  # refuses a plain-function tower without params=
+        except Exception as e:  # noqa: BLE001 - raised on every rank by agree_on_sizes
+            failure = e
+        counts = ranks.agree_on_sizes({r.name: r.rows for r in runs}, loss_kwargs, failure)
+        self._where = ""
+        with crossrank.no_sync(self.towers, ranks.fsdp), torch.enable_grad():
+            failure = None
+            try:
+                self._embed_all(runs)                                    # (1) no gradients
+            except Exception as e:  # noqa: BLE001 - every rank raises in the exchange below
+                failure = e
+            ranks.agree_after_embedding({r.name: r.reps for r in runs}, failure, self._where)
+            loss = ranks.loss_and_backward({r.name: r.reps for r in runs}, loss_kwargs,
+                                           counts, self.compute_loss)    # (2) dL/d(embedding)
+            failure, where = loss.failure, loss.where
+            if failure is None:
+                try:
+                    self._replay_all(runs, ranks.fsdp)                   # (3) with gradients
+                except Exception as e:  # noqa: BLE001 - shared in the gradient sync below
+                    if D.is_shared(e):  # every rank raised it already
+                        raise
+                    failure, where = e, self._where
+        calls = ranks.sync_gradients(params, failure, where)
+        if calls is not None:
+            self.last_sync_calls = calls
+        return StepResult(loss.total, loss.metrics)
+
+    # ------------------------------------------------------------ step stages
+    def _embed_all(self, runs: list[_TowerRun]) -> None:
+        """(1) Embed every chunk without gradients, remembering its random state."""
+        last_trainable = max((i for i, r in enumerate(runs) if r.trainable), default=None)
+        for i, run in enumerate(runs):
+            cache = E.CacheWriter(run.name, run.rows, run.order, run.trainable)
+            for c, planned in enumerate(run.chunks):
+                keep = (self.reuse_last_chunk and i == last_trainable
+                        and c == len(run.chunks) - 1)
+                self._where = f"while embedding tower {run.name!r} (chunk {c}, first pass)"
+                ctx = None
+                # the random state before collating, so that a random collate_fn is replayed too
+                if run.trainable and not keep:
+                    ctx = RandContext(planned, devices=[self.device] if self.device else [])
+                chunk = chunking.to_device(chunking.materialize(planned), self.device)
+                if ctx is not None:
+                    ctx.include(chunk)  # a device only the collated chunk reveals
+                    run.contexts.append(ctx)
+                with torch.set_grad_enabled(keep), self._autocast(chunking.first_device(chunk)):
+                    emb = E.check_output(run.name, c, self.embed(run.name, chunk), run.rows[c],
+                                         run.name in self._loss_args.token_inputs)
+                if keep:
+                    run.kept = emb
+                    emb = E.detached(emb)
+                cache.add(c, emb)  # into one buffer per tower, in the original order
+            run.reps, run.spans = cache.finish()
+
+    def _loss_and_backward(self, runs: list[_TowerRun], loss_kwargs: dict[str, Any]
+                           ) -> tuple[Tensor, dict[str, Any]]:
+        """(2) One process: the loss on the cached embeddings and its backward to them.
+        Returns (the detached loss, metrics)."""
+        reps = {run.name: run.reps for run in runs}
+        total, metrics = self.compute_loss(reps, **loss_kwargs)
+        scalar_loss(total)
+        if self.check_finite:
+            self._check_finite(runs, total)
+        if total.requires_grad:
+            (self.scaler.scale(total) if self.scaler is not None else total).backward()
+        return total.detach(), metrics
+
+    def _replay_all(self, runs: list[_TowerRun], fsdp: list[nn.Module]) -> None:
+        """(3) Replay each trainable chunk with gradients and backpropagate its cached gradient."""
+        jobs: list[tuple[_TowerRun, int | None, Tensor]] = []
+        for run in runs:
+            if not run.trainable:
+                continue
+            grad = E.grad_of(run.reps)
+            if grad is None:
+                run.kept = None
+                continue
+            # length-ordered: each chunk's rows are gathered when it is replayed (below),
+            # not a reordered copy of the whole gradient
+            grads = (grad if run.order is None else run.order.to(grad.device)).split(run.rows)
+            if run.kept is not None:  # before every replay: frees the kept graph first, so
+                jobs.insert(0, (run, None, grads[-1]))  # one chunk's activations at a time
+            jobs.extend((run, c, grads[c]) for c in range(len(run.contexts)))
+        sync_at = crossrank.fsdp_sync_points([self.towers[run.name] for run, _, _ in jobs], fsdp)
+        for j, (run, c, g) in enumerate(jobs):
+            if run.order is not None:  # g: the chunk's rows of the cached gradient
+                g = E.grad_of(run.reps).index_select(0, g)
+            span = run.spans[-1 if c is None else c] if run.spans else None
+            if j in sync_at:  # reduce-scatter on each FSDP module's last backward only
+                crossrank.set_fsdp_sync(sync_at[j], True)
+            self._where = (f"while re-embedding tower {run.name!r} (chunk {c}, second pass)"
+                           if c is not None else f"in the backward of tower {run.name!r} "
+                           f"(chunk {len(run.chunks) - 1}, kept from the first pass)")
+            if c is None:
+                E.surrogate_backward(run.kept, g, span)
+                run.kept = None
+                continue
+            with run.contexts[c]:  # the collate_fn's random draws are replayed as well
+                chunk = chunking.to_device(chunking.materialize(run.chunks[c]), self.device)
+                with self._autocast(chunking.first_device(chunk)):
+                    emb = self.embed(run.name, chunk)
+            E.surrogate_backward(emb, g, span)
+
+    # ----------------------------------------------------------------- helpers
+    def _plan(self, name: str, inputs: Any, allow_empty: bool = False) -> _TowerRun:
+        """Chunk one tower's inputs. The row count is what :meth:`split_inputs` says, so an
+        override handles layouts whose first dimension is not the batch; length ordering
+        needs the default layout and is skipped for an override; its chunks are gathered from
+        the inputs when they are embedded (no reordered copy of the batch)."""
+        order = None
+        if self.sort_by_length and type(self).split_inputs is GradCache.split_inputs:
+            chunking.rows_of(inputs, name)  # the checks of the default layout
+            order = chunking.length_order(inputs)
+        bounds = None
+        if name in self.chunk_tokens:  # a token budget: the default layout, checked at init
+            bounds = chunking.token_bounds(inputs, self.chunk_tokens[name],
+                                           self.chunk_sizes[name], name=name, order=order,
+                                           trim_padding=self.trim_padding)
+        if order is not None:
+            chunks, rows = chunking.ordered_chunks(inputs, order, self.chunk_sizes[name],
+                                                   trim_padding=self.trim_padding, bounds=bounds)
+        elif bounds is not None:
+            chunks, rows = chunking.split_inputs(inputs, self.chunk_sizes[name], name=name,
+                                                 collate=self.collate_fns.get(name),
+                                                 trim_padding=self.trim_padding, bounds=bounds)
+        else:
+            chunks, rows = chunking.checked_split(
+                name, *self.split_inputs(name, inputs, self.chunk_sizes[name]))
+        if not rows and not allow_empty:  # distributed: the ranks agree on it, all raise
+            raise InputError(f"input for tower {name!r} has no rows")
+        return _TowerRun(name, _is_trainable(D.unwrap_ddp(self.towers[name])), chunks, rows,
+                         order)
+
+    def _token_budgets(self, chunk_tokens: int | Mapping[str, int] | None) -> dict[str, int]:
+        """``{tower: token budget}`` for the towers cut by tokens (none when None).
+
+        Raises:
+            ConfigError: a budget that is not a positive integer, a dict naming an unknown
+                tower, or a budget with an overridden :meth:`split_inputs` (whose layout the
+                engine does not know).
+        """
+        if chunk_tokens is None:
+            return {}
+        if isinstance(chunk_tokens, Mapping):
+            unknown = set(chunk_tokens) - set(self.towers)
+            if unknown:
+                raise ConfigError(f"chunk_tokens names unknown towers {sorted(unknown)}; "
+                                  f"towers are {list(self.towers)}")
+            budgets = dict(chunk_tokens)
+        else:
+            budgets = {n: chunk_tokens for n in self.towers}
+        for name, budget in budgets.items():
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+                raise ConfigError(f"chunk_tokens for tower {name!r} must be a positive integer "
+                                  f"(padded tokens per chunk), got {budget!r}")
+        if budgets and type(self).split_inputs is not GradCache.split_inputs:
+            raise ConfigError("chunk_tokens cuts the default layout of inputs; an overridden "
+                              "split_inputs defines its own chunks (use chunk_size there)")
+        return budgets
+
+    def _rank_step(self) -> crossrank.RankStep:
+        """The cross-rank agreements of one step, with the options as they are now."""
+        return crossrank.RankStep(self.towers, self.loss_fn, group=self.process_group,
+                                  cross_device=self.cross_device,
+                                  check_finite=self.check_finite,
+                                  sync_gradients=self.sync_gradients,
+                                  params=self._explicit_params, scaler=self.scaler)
+
+    def _autocast(self, device: torch.device | None) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        dev_type = (self.device or device or torch.device("cpu")).type
+        return torch.autocast(device_type=dev_type, dtype=self.autocast_dtype)
+
+    def _check_finite(self, runs: list[_TowerRun], loss: Tensor) -> None:
+        flags = [E.all_finite(r.reps) for r in runs]
+        flags = torch.stack(flags + [torch.isfinite(loss.detach()).to(flags[0].device)])
+        ok = flags.tolist()  # the one synchronisation of the step
+        for run, fine in zip(runs, ok):
+            if not fine:
+                raise NonFiniteError(
+                    f"tower {run.name!r} produced NaN or inf embeddings; no gradient was written. "
+                    f"Check the inputs, the learning rate, or use bfloat16 instead of float16")
+        if not ok[-1]:
+            raise NonFiniteError("the loss is NaN or inf; no gradient was written. Check the "
+                                 "temperature (logit scale) and the embeddings' scale")
+
+    def __repr__(self) -> str:
+        tokens = f", chunk_tokens={self.chunk_tokens}" if self.chunk_tokens else ""
+        return (f"GradCache(towers={list(self.towers)}, chunk_size={self.chunk_sizes}{tokens}, "
+                f"loss_fn={type(self.loss_fn).__name__})")
