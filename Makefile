@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # CPU build of torch where there is no GPU (a bare `torch` pulls a multi-GB CUDA build).
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo "torch"; else echo "torch==2.13.0"; fi)
 
-.PHONY: install test test-all demo demo-mix demo-colbert demo-jax demo-vl example example-jax bench docs docs-serve clean
+.PHONY: install test test-all lint demo demo-mix demo-colbert demo-jax demo-vl example example-jax bench docs docs-serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""
+
+# ruff (rules in pyproject.toml [tool.ruff]) and the import-linter layer contracts
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench examples docs
+	$(VENV)/bin/lint-imports --no-cache
 
 # The documentation site (mkdocs.yml, pages in docs/) into site/, not committed. --strict: a
 # broken link, an unresolved cross-reference or a docstring that does not render fails it.

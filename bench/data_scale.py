@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, machine, now  # noqa: E402
+from common import RESULTS, ROOT, machine, now
 
 _WORDS = ("retrieval contrastive embedding gradient cache batch query passage document model "
           "training negative positive encoder vector similarity corpus token layer attention "

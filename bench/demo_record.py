@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, machine, now  # noqa: E402
+from common import RESULTS, ROOT, machine, now
 
 
 def record(run: Path) -> dict:

@@ -1,4 +1,5 @@
-"""Peak memory of full-corpus evaluation (``bigbatch.retrieval.evaluate.evaluate_beir``) against corpus size.
+"""Peak memory of full-corpus evaluation (``bigbatch.retrieval.evaluate.evaluate_beir``) against
+corpus size.
 
 A synthetic BEIR set (documents of SciFact words, 100 queries whose positives are spread over
 the corpus) is written once per size; each point runs in its own process and records the
@@ -23,8 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, SCIFACT, machine, minilm_path, now, status_mb  # noqa: E402
-from common import tiny_bert as tiny_bert_model  # noqa: E402
+from common import RESULTS, SCIFACT, machine, minilm_path, now, status_mb
+from common import tiny_bert as tiny_bert_model
 
 QUERIES = 100
 

@@ -5,7 +5,8 @@ exchange, the gather's backward, the loss's closing all-reduce, the gradient syn
 normal path should cost no more than before; ``sync_gradients=False`` adds one small
 all-gather per step. This times, per configuration, the median wall time of a step (a small
 MLP, batch 64 per rank, chunk 16, float32, InfoNCE with one hard negative), and one bare
-8-byte all-gather, the price of that extra exchange, and counts the collectives of one step and the elements
+8-byte all-gather, the price of that extra exchange, and counts the collectives of one step and the
+elements
 they move (deterministic, unlike the times on a shared machine). Compare two checkouts by running it
 with each one's ``src`` first on PYTHONPATH:
 
@@ -120,8 +121,9 @@ def main() -> None:
         port = s.getsockname()[1]
     out = f"/tmp/bigbatch-failure-flags-{os.getpid()}.json"
     mp.spawn(worker, args=(2, port, args.steps, out), nprocs=2, join=True)
-    import bigbatch
     from common import machine, now
+
+    import bigbatch
 
     print(json.dumps({"bigbatch": os.path.dirname(bigbatch.__file__), "date": now(),
                       "machine": machine("cpu"), "load_average": os.getloadavg(),

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, now  # noqa: E402
+from common import RESULTS, machine, now
 
 MIB = 2 ** 20
 

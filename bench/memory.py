@@ -42,8 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, machine, minilm, now, scifact_pairs, status_mb,  # noqa: E402
-                    tiny_bert)
+from common import RESULTS, machine, minilm, now, scifact_pairs, status_mb, tiny_bert
 
 MODELS = {"minilm": "all-MiniLM-L6-v2 (train mode)",
           "tiny-bert": "BERT, 2 layers, hidden 128, 2 heads, MLP 512, random init (train mode)"}

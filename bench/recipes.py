@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, SCIFACT, machine, minilm_path, now  # noqa: E402
+from common import RESULTS, ROOT, SCIFACT, machine, minilm_path, now
 
 RUNS = ROOT / "runs" / "recipes"
 OUT = RESULTS / "recipes-cpu.json"

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT  # noqa: E402
-from speed import summarize  # noqa: E402
+from common import RESULTS, ROOT
+from speed import summarize
 
 DOCS = ROOT / "docs"
 FLOOR_KEYS = ("bigbatch_F_plus_FB_minus_Flast", "st_cached_F_plus_FB")
@@ -284,6 +284,7 @@ def st_note() -> list[str]:
         med, medians, ratios = sm["seconds"], sm["median_seconds"], sm["ratios"]
         floor_c, floor_b = (sm["floor_seconds"][k] for k in FLOOR_KEYS)
         b, c, d = med["b_st_cached_mnrl"], med["c_bigbatch"], med["d_bigbatch_sorted"]
+        mc = medians["c_bigbatch"]
         out.append(f"- {tag} lengths: floors {floor_c:.2f} s (bigbatch) and {floor_b:.2f} s "
                    f"(sentence-transformers), so **{sm['ceiling_b_over_c_at_floors']:.2f}x** is "
                    f"all an exact one-chunk GradCache can gain from model work; measured "
@@ -307,7 +308,7 @@ def st_note() -> list[str]:
                       f"sentence-transformers." if tag == "real" else
                       f" (c) and (d) do identical work at equal lengths; their fastest rounds "
                       f"differ by {abs(c - d) / c:.0%}, their medians by "
-                      f"{abs(medians['c_bigbatch'] - medians['d_bigbatch_sorted']) / medians['c_bigbatch']:.0%}: "
+                      f"{abs(medians['c_bigbatch'] - medians['d_bigbatch_sorted']) / mc:.0%}: "
                       f"this machine's timing noise."))
     if not out:
         return []

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, minilm, now, scifact_pairs  # noqa: E402
+from common import RESULTS, machine, minilm, now, scifact_pairs
 
 
 def main() -> None:

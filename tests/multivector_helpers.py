@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import torch
+from helpers import trimmed_chunks
 from torch import Tensor, nn
 
 import bigbatch as bb
-from helpers import trimmed_chunks
 
 
 class TokenVectors(nn.Module):

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from multivector_helpers import padded_cat
 from torch import Tensor
 
 import bigbatch as bb
 from bigbatch.engine import chunking
-from multivector_helpers import padded_cat
 
 
 def engine_chunks(inputs: dict[str, Tensor], chunk_size: int, chunk_tokens: int | None = None,

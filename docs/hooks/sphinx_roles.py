@@ -3,7 +3,8 @@ roles (``:class:`InfoNCE```, ``:meth:`~bigbatch.GradCache.step```, ``:mod:`.swif
 mark literal blocks with ``::``, which Markdown would print as they are written. Once the
 package is loaded, every role is resolved in the scope of the docstring that holds it (the
 object's members, its module's imports, then its parents) and becomes a link to the rendered
-object, or plain code where that object is not rendered (a private helper). A role that names nothing in bigbatch is a warning, which
+object, or plain code where that object is not rendered (a private helper). A role that names
+nothing in bigbatch is a warning, which
 ``mkdocs build --strict`` turns into a failed build: a docstring's reference must resolve.
 """
 

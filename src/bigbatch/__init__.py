@@ -10,7 +10,8 @@ Public names::
     bb.Matryoshka                        # any loss at several embedding widths (bigbatch.losses.matryoshka)
     bb.RandContext                       # random-state replay (bigbatch.engine.rng)
     bb.functional.cached                 # luyug-style functional API (bigbatch.engine.functional)
-    bb.distributed                       # init_distributed, gather_with_grad, ... (bigbatch.engine.distributed)
+    bb.distributed                       # init_distributed, gather_with_grad, ...
+                                         # (bigbatch.engine.distributed)
     bb.errors                            # exception classes
 
 The names are resolved when first used, so ``import bigbatch`` (and ``bigbatch --help``)
@@ -24,8 +25,15 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from . import errors
-from .errors import (BigBatchError, ConfigError, DataError, InputError, NonFiniteError,
-                     RankFailedError, ShapeError)
+from .errors import (
+    BigBatchError,
+    ConfigError,
+    DataError,
+    InputError,
+    NonFiniteError,
+    RankFailedError,
+    ShapeError,
+)
 
 __version__ = "0.1.0"
 
@@ -75,5 +83,4 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
     from .engine.embeddings import TokenEmbeddings
     from .engine.gradcache import GradCache, StepResult
     from .engine.rng import RandContext
-    from .losses import (CorpusInfoNCE, InfoNCE, LogitScale, LossOutput, Matryoshka,
-                         MaxSimInfoNCE)
+    from .losses import CorpusInfoNCE, InfoNCE, LogitScale, LossOutput, Matryoshka, MaxSimInfoNCE

@@ -16,8 +16,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .data.formats import (FORMATS, READ_ONLY_FORMATS, SWIFT_DOC_INSTRUCTION,
-                           SWIFT_QUERY_INSTRUCTION, Problem, Record)
+from .data.formats import (
+    FORMATS,
+    READ_ONLY_FORMATS,
+    SWIFT_DOC_INSTRUCTION,
+    SWIFT_QUERY_INSTRUCTION,
+    Problem,
+    Record,
+)
 from .encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
 from .errors import BigBatchError, ConfigError
 from .retrieval.report import format_eval_table, print_summary
@@ -501,7 +507,6 @@ def _eval(args: argparse.Namespace) -> int:
     from .data.readers.beir_dir import require_split
     from .encoders import load_encoder
     from .retrieval.evaluate import evaluate_beir, evaluate_beir_dims
-
     from .train.outdir import check_writable_file
 
     if args.output:  # before evaluating, so that no evaluation is lost
@@ -618,8 +623,8 @@ def _checked_records(args: argparse.Namespace) -> Iterator[Record]:
 
 
 def _convert_colpali(args: argparse.Namespace) -> int:
-    from .data.tools.convert_colpali import convert_colpali
     from .data.records.types import problem_lines
+    from .data.tools.convert_colpali import convert_colpali
 
     fmt = args.dst_format or "contrastors"
     report = convert_colpali(args.input, args.output, fmt, split=args.split,
@@ -645,8 +650,8 @@ def _convert_colpali(args: argparse.Namespace) -> int:
 
 
 def _mine(args: argparse.Namespace) -> int:
-    from .retrieval.mining import MiningOptions, mine_hard_negatives
     from .encoders import load_encoder
+    from .retrieval.mining import MiningOptions, mine_hard_negatives
     from .train.outdir import check_writable_file
 
     try:

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import (
+    DT,
+    grads_of,
+    max_rel_err,
+    reference_step,
+    token_batch,
+    trimmed_chunks,
+    zero_grads,
+)
 from torch import nn
 
 import bigbatch as bb
-from helpers import (DT, grads_of, max_rel_err, reference_step, token_batch, trimmed_chunks,
-                     zero_grads)
 
 
 class RecordingDropout(nn.Module):

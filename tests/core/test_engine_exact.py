@@ -6,12 +6,21 @@ import copy
 
 import pytest
 import torch
+from helpers import (
+    DT,
+    DenseTower,
+    TokenTower,
+    grads_of,
+    max_rel_err,
+    reference_step,
+    token_batch,
+    trimmed_chunks,
+    zero_grads,
+)
 from torch import nn
 
 import bigbatch as bb
 from bigbatch.errors import ConfigError
-from helpers import (DT, DenseTower, TokenTower, grads_of, max_rel_err, reference_step,
-                     token_batch, trimmed_chunks, zero_grads)
 
 B = 6
 TOL = 1e-10

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import DenseTower
 from torch import nn
 
 import bigbatch as bb
-from bigbatch.errors import (BigBatchError, ConfigError, DataError, InputError, NonFiniteError,
-                             ShapeError)
-from helpers import DenseTower
+from bigbatch.errors import (
+    BigBatchError,
+    ConfigError,
+    DataError,
+    InputError,
+    NonFiniteError,
+    ShapeError,
+)
 
 
 def setup():

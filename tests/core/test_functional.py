@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import DT, TokenTower, grads_of, max_rel_err, reference_step, token_batch, zero_grads
 
 import bigbatch as bb
 from bigbatch.errors import InputError
-from helpers import DT, TokenTower, grads_of, max_rel_err, reference_step, token_batch, zero_grads
 
 
 def test_cached_decorator_matches_reference_with_dropout():

@@ -7,11 +7,19 @@ import math
 
 import pytest
 import torch
+from helpers import (
+    DT,
+    TokenTower,
+    grads_of,
+    max_rel_err,
+    reference_step,
+    token_batch,
+    trimmed_chunks,
+    zero_grads,
+)
 
 import bigbatch as bb
 from bigbatch.errors import ConfigError, InputError, NonFiniteError, ShapeError
-from helpers import DT, TokenTower, grads_of, max_rel_err, reference_step, token_batch, \
-    trimmed_chunks, zero_grads
 
 TOL = 1e-10
 

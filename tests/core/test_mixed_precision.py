@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TokenTower, grads_of, token_batch, zero_grads
 
 import bigbatch as bb
-from helpers import TokenTower, grads_of, token_batch, zero_grads
 
 
 def run(dtype, scaler=None):

@@ -9,14 +9,13 @@ import math
 
 import pytest
 import torch
+from helpers import DT, grads_of, max_rel_err, token_batch, zero_grads
+from multivector_helpers import TokenVectors, naive_maxsim_loss, naive_scores, run_chunked
 from torch import nn
 
 import bigbatch as bb
 from bigbatch.errors import ConfigError, InputError, ShapeError
 from bigbatch.losses.maxsim import block_shape, maxsim_scores
-from helpers import DT, grads_of, max_rel_err, token_batch, zero_grads
-from multivector_helpers import (TokenVectors, naive_maxsim_loss, naive_scores,
-                                 run_chunked)
 
 B = 6
 TOL = 1e-10

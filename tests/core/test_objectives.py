@@ -6,15 +6,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import DT, TokenTower, grads_of, max_rel_err, token_batch, zero_grads
+from multivector_helpers import TokenVectors, naive_maxsim_loss
+from objectives_helpers import (
+    cut,
+    engine_chunks,
+    normalized,
+    qq_dd_loss,
+    run_chunks,
+    separate_losses,
+)
 
 import bigbatch as bb
 from bigbatch.engine import chunking
 from bigbatch.errors import ConfigError, InputError, ShapeError
 from bigbatch.losses.matryoshka import check_dims
-from helpers import DT, TokenTower, grads_of, max_rel_err, token_batch, zero_grads
-from multivector_helpers import TokenVectors, naive_maxsim_loss
-from objectives_helpers import (cut, engine_chunks, normalized, qq_dd_loss, run_chunks,
-                                separate_losses)
 
 TOL = 1e-10
 B = 6

@@ -58,7 +58,7 @@ def finishes(fn, seconds: float = 20.0):
     def run() -> None:
         try:
             out["value"] = fn()
-        except BaseException as e:  # re-raised in the test's thread
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
             out["error"] = e
 
     t = threading.Thread(target=run, daemon=True)

@@ -11,9 +11,9 @@ import json
 import pytest
 
 from bigbatch.cli import main
-from bigbatch.data.tools.convert_colpali import convert_colpali, is_colpali
 from bigbatch.data.formats import detect_format, read_records
 from bigbatch.data.records.validate import validate_file
+from bigbatch.data.tools.convert_colpali import convert_colpali, is_colpali
 from bigbatch.errors import DataError
 
 pa = pytest.importorskip("pyarrow")

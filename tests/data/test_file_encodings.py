@@ -12,7 +12,6 @@ from bigbatch.data.records.loader import load_records
 from bigbatch.data.records.validate import validate_file
 
 
-
 @pytest.mark.parametrize("bom,newline", [(True, "\r\n"), (True, "\n"), (False, "\r\n")])
 @pytest.mark.parametrize("fmt", ["contrastors", "swift", "st"])
 def test_bom_and_crlf_read_like_plain_utf8(tmp_path, bom, newline, fmt):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bigbatch.cli import main
-from bigbatch.retrieval.mining import MiningOptions, mine_hard_negatives
 from bigbatch.errors import ConfigError
+from bigbatch.retrieval.mining import MiningOptions, mine_hard_negatives
 
 
 class StubEncoder:
@@ -148,11 +148,11 @@ def test_mine_command_on_scifact_slice_with_real_model(sf_slice, tmp_path, capsy
 
 
 def test_eval_command_on_200_document_slice(sf_slice, tmp_path, capsys):
+    from pipeline_helpers import minilm_path
     from sentence_transformers import SentenceTransformer
 
     from bigbatch.data.readers.beir_dir import load_beir
     from bigbatch.retrieval.evaluate import evaluate_retrieval
-    from pipeline_helpers import minilm_path
     out = tmp_path / "eval.json"
     rc = main(["eval", "--model", str(minilm_path()), "--data", str(sf_slice), "--split", "test",
                "--output", str(out), "--no-cache"])

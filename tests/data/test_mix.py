@@ -10,8 +10,14 @@ import os
 import pytest
 
 from bigbatch.data.batches import EpochBatches
-from bigbatch.data.mix import (CappedRecords, MixedBatches, SourceSpec, TrainSource, mix_weights,
-                               parse_sources)
+from bigbatch.data.mix import (
+    CappedRecords,
+    MixedBatches,
+    SourceSpec,
+    TrainSource,
+    mix_weights,
+    parse_sources,
+)
 from bigbatch.data.records.types import TrainRecord
 from bigbatch.errors import ConfigError
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bigbatch.data.records import store as record_store
 from bigbatch.data.batches import EpochBatches
-from bigbatch.data.records.store import RecordStore, index_folder, open_records
+from bigbatch.data.records import store as record_store
 from bigbatch.data.records.loader import load_records
+from bigbatch.data.records.store import RecordStore, index_folder, open_records
 from bigbatch.errors import DataError
 
 

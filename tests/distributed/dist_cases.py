@@ -18,11 +18,11 @@ from torch import nn
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from dist_helpers import run_cases  # noqa: E402
+from helpers import DT, TokenTower, grads_of, max_rel_err, token_batch, trimmed_chunks  # noqa: E402
+
 import bigbatch as bb  # noqa: E402
 from bigbatch.engine import distributed as D  # noqa: E402
-from dist_helpers import run_cases  # noqa: E402
-from helpers import (DT, TokenTower, grads_of, max_rel_err, token_batch,  # noqa: E402
-                     trimmed_chunks)
 
 CHUNK = 3
 

@@ -16,9 +16,10 @@ from torch import nn
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import bigbatch as bb  # noqa: E402
 from dist_helpers import run_cases  # noqa: E402
 from helpers import DT  # noqa: E402
+
+import bigbatch as bb  # noqa: E402
 
 TIMEOUT_S = 30  # collective timeout: a rank left waiting fails the case after this long
 

@@ -15,10 +15,11 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import bigbatch as bb  # noqa: E402
 from dist_cases import CHUNK, cross_rank_diff, global_batch, zero  # noqa: E402
 from dist_helpers import run_cases  # noqa: E402
 from helpers import DT, TokenTower, grads_of, max_rel_err, trimmed_chunks  # noqa: E402
+
+import bigbatch as bb  # noqa: E402
 
 
 def guided_case(*, k=2, sizes=(3, 4), symmetric=False, distill=None, guide=True, ids=False,

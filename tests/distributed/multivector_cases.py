@@ -14,11 +14,11 @@ import torch.distributed as dist
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import bigbatch as bb  # noqa: E402
 from dist_helpers import run_cases  # noqa: E402
 from helpers import DT, grads_of, max_rel_err, token_batch  # noqa: E402
-from multivector_helpers import (TokenVectors, naive_maxsim_loss, padded_cat,  # noqa: E402
-                                 run_chunked)
+from multivector_helpers import TokenVectors, naive_maxsim_loss, padded_cat, run_chunked  # noqa: E402
+
+import bigbatch as bb  # noqa: E402
 
 CHUNK = 3
 

@@ -14,8 +14,8 @@ import pytest
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-import dist_cases  # noqa: E402
-from dist_helpers import free_port, spawn_and_collect  # noqa: E402
+import dist_cases
+from dist_helpers import free_port, spawn_and_collect
 
 TOL = 1e-10
 

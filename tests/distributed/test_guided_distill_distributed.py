@@ -9,8 +9,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import guided_cases  # noqa: E402
-from dist_helpers import spawn_and_collect  # noqa: E402
+import guided_cases
+from dist_helpers import spawn_and_collect
 
 TOL = 1e-10
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import multivector_cases  # noqa: E402
-from dist_helpers import spawn_and_collect  # noqa: E402
+import multivector_cases
+from dist_helpers import spawn_and_collect
 
 TOL = 1e-10
 EXACT = ["ragged_k1_symmetric_ids", "k0_shared_streamed", "k2_normalised_fixed_temperature",

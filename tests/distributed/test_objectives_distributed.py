@@ -11,8 +11,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import objectives_cases  # noqa: E402
-from dist_helpers import spawn_and_collect  # noqa: E402
+import objectives_cases
+from dist_helpers import spawn_and_collect
 
 TOL = 1e-10
 

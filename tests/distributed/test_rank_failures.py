@@ -10,8 +10,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import failure_cases  # noqa: E402
-from dist_helpers import spawn_and_collect  # noqa: E402
+import failure_cases
+from dist_helpers import spawn_and_collect
 
 
 @pytest.fixture(scope="module")

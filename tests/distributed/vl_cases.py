@@ -16,13 +16,14 @@ import torch.distributed as dist
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import bigbatch as bb  # noqa: E402
-from bigbatch.data.records.image_checks import ImageDoc  # noqa: E402
-from bigbatch.encoders.vision_multivector import MultiVectorVisionEncoder  # noqa: E402
-from bigbatch.encoders.vision import VisionLanguageEncoder  # noqa: E402
 from dist_helpers import run_cases  # noqa: E402
 from helpers import DT, grads_of, max_rel_err  # noqa: E402
 from multivector_helpers import padded_cat  # noqa: E402
+
+import bigbatch as bb  # noqa: E402
+from bigbatch.data.records.image_checks import ImageDoc  # noqa: E402
+from bigbatch.encoders.vision import VisionLanguageEncoder  # noqa: E402
+from bigbatch.encoders.vision_multivector import MultiVectorVisionEncoder  # noqa: E402
 
 CHUNK = 2
 QUERIES = [["claim one about cells", "protein folding", "a third query", "ribosomes"],

@@ -74,7 +74,8 @@ def test_docstring_references_resolve_or_are_reported():
 
     pkg = griffe.load("bigbatch", search_paths=[str(ROOT / "src")])
     cache = pkg["engine.gradcache"]
-    assert _resolve(cache["GradCache"], "split_inputs", pkg) == "bigbatch.engine.gradcache.GradCache.split_inputs"
+    assert _resolve(cache["GradCache"], "split_inputs", pkg) == \
+        "bigbatch.engine.gradcache.GradCache.split_inputs"
     assert _resolve(cache, "RandContext", pkg) == "bigbatch.engine.rng.RandContext"
     assert _resolve(pkg["losses.maxsim"]["MaxSimInfoNCE"], "clamp_", pkg) == \
         "bigbatch.losses.base.TemperatureLoss.clamp_"  # inherited: where it is defined

@@ -14,9 +14,10 @@ import torch.distributed as dist
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import bigbatch as bb  # noqa: E402
 from dist_helpers import run_cases  # noqa: E402
 from helpers import TokenTower, max_rel_err, token_batch, trimmed_chunks  # noqa: E402
+
+import bigbatch as bb  # noqa: E402
 
 SIZES = (4, 4)  # queries per rank
 K = 1  # hard negatives per query
@@ -63,6 +64,7 @@ def full_weights(engine, stage: int) -> dict:
 def engine_case(stage: int, dtype: torch.dtype = torch.float64, chunk: int = 3,
                 steps: int = 2) -> dict:
     import deepspeed
+
     from bigbatch.integrations.deepspeed import deepspeed_cache, deepspeed_step, full_gradients
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -129,6 +131,7 @@ def uncoalesced_case(stage: int = 2, chunk: int = 1) -> dict:
     """The control: the same step without coalescing (each replay's backward reduces, as
     DeepSpeed does by default): how many reductions that makes."""
     import deepspeed
+
     from bigbatch.integrations.deepspeed import deepspeed_cache
 
     rank = dist.get_rank()
@@ -151,6 +154,7 @@ CASES["stage2_chunk1_uncoalesced"] = uncoalesced_case
 def refused_case() -> dict:
     """Gradient accumulation steps other than 1 are refused before any gradient."""
     import deepspeed
+
     from bigbatch.integrations.deepspeed import deepspeed_cache
 
     torch.manual_seed(0)

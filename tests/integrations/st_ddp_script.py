@@ -86,7 +86,10 @@ def dataset():
 
 
 def train_one_step(model, loss, out: Path, tag: str, capture: bool) -> dict:
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers import (
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
     from transformers import TrainerCallback
 
     rank = int(os.environ["RANK"])
@@ -130,8 +133,7 @@ def main() -> None:
     out = Path(a.out)
     torch.set_num_threads(1)
     install_counters()
-    from sentence_transformers.sentence_transformer.losses import (
-        CachedMultipleNegativesRankingLoss)
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
     from bigbatch.integrations.sentence_transformers import CachedInfoNCELoss
 

@@ -19,8 +19,8 @@ pytest.importorskip("deepspeed")
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-import deepspeed_cases  # noqa: E402
-from dist_helpers import spawn_and_collect  # noqa: E402
+import deepspeed_cases
+from dist_helpers import spawn_and_collect
 
 TOL_FLOAT64_MODEL = 1e-6  # DeepSpeed's float32 gradient buffers
 TOL_FLOAT32 = 5e-6

@@ -12,8 +12,9 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from bigbatch.cli import main  # noqa: E402
-from pipeline_helpers import scifact_slice, tiny_bert  # noqa: E402
+from pipeline_helpers import scifact_slice, tiny_bert
+
+from bigbatch.cli import main
 
 ARGS = ["--batch-size", "8", "--grad-cache-chunk", "3", "--max-steps", "3", "--warmup-steps",
         "1", "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-3", "--max-length", "48",

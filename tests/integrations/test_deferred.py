@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from helpers import DT, TokenTower, grads_of, token_batch, zero_grads
+from torch import nn
 
 import bigbatch as bb
 from bigbatch.errors import ConfigError, InputError

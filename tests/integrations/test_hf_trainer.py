@@ -22,8 +22,8 @@ import torch
 
 pytest.importorskip("accelerate")
 
-import hf_script  # noqa: E402
-from pipeline_helpers import tiny_bert  # noqa: E402
+import hf_script
+from pipeline_helpers import tiny_bert
 
 ROOT = Path(__file__).resolve().parents[2]
 

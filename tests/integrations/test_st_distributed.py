@@ -18,8 +18,8 @@ import torch
 
 pytest.importorskip("sentence_transformers")
 
-from pipeline_helpers import tiny_bert  # noqa: E402
-from st_ddp_script import B_LOCAL, CHUNK, make_model  # noqa: E402
+from pipeline_helpers import tiny_bert
+from st_ddp_script import B_LOCAL, CHUNK, make_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("st_ddp_script.py")

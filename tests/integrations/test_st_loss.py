@@ -15,11 +15,11 @@ import torch
 
 pytest.importorskip("sentence_transformers")
 
-from pipeline_helpers import tiny_bert  # noqa: E402
-from st_ddp_script import make_model  # noqa: E402
+from pipeline_helpers import tiny_bert
+from st_ddp_script import make_model
 
-from bigbatch.errors import ConfigError, InputError  # noqa: E402
-from bigbatch.integrations.sentence_transformers import CachedInfoNCELoss  # noqa: E402
+from bigbatch.errors import ConfigError, InputError
+from bigbatch.integrations.sentence_transformers import CachedInfoNCELoss
 
 B = 7
 ANCHORS = [f"question {i} about topic {i * 3 % 4}" for i in range(B)]
@@ -213,8 +213,11 @@ def test_sentence_transformer_trainer_evaluator_and_saving(bert, tmp_path):
     """One step inside SentenceTransformerTrainer: the loss trains, an evaluator and the
     eval loss run, and the saved folder loads with sentence-transformers."""
     from datasets import Dataset
-    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
-                                       SentenceTransformerTrainingArguments)
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
     from sentence_transformers.sentence_transformer.evaluation import TripletEvaluator
 
     model = make_model(str(bert), torch.float32)

@@ -10,7 +10,7 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                     "--xla_backend_optimization_level=0",
                                     "--xla_llvm_disable_expensive_passes=true"]).strip()
 pytest.importorskip("jax")
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_enable_x64", True)
 sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]

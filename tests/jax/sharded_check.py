@@ -17,9 +17,10 @@ import jax.numpy as jnp  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
+from toy import EMBED, batch, init, reference  # noqa: E402
+
 from bigbatch.errors import ShapeError  # noqa: E402
 from bigbatch.jax import InfoNCE, cached_value_and_grad, sharded_value_and_grad  # noqa: E402
-from toy import EMBED, batch, init, reference  # noqa: E402
 
 
 def rel(got, ref) -> float:

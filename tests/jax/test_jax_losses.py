@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from toy import max_rel_error
 
 import bigbatch as bb
 from bigbatch.errors import ConfigError, InputError, ShapeError
 from bigbatch.jax import InfoNCE
-from toy import max_rel_error
 
 CASES = [  # (k, symmetric, with ids, margin, block_size)
     (0, False, False, None, None),

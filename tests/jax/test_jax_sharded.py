@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import ERRORS
 
 HERE = Path(__file__).parent
@@ -34,10 +33,10 @@ def test_sharded_step_equals_one_device(devices):
 
 def test_an_axis_the_mesh_does_not_have_is_refused():
     import jax
+    from toy import EMBED
 
     from bigbatch.errors import ConfigError
     from bigbatch.jax import InfoNCE, sharded_value_and_grad
-    from toy import EMBED
 
     mesh = jax.make_mesh((1,), ("batch",))
     with pytest.raises(ConfigError, match="not an axis of the mesh"):

@@ -7,10 +7,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from toy import EMBED, batch, init, max_rel_error, reference
 
 from bigbatch.errors import ConfigError, InputError, ShapeError
 from bigbatch.jax import InfoNCE, cached_value_and_grad, chunk_key, embed_batch
-from toy import EMBED, batch, init, max_rel_error, reference
 
 B = 7
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from helpers import ERRORS
 
 from bigbatch.jax import embed_batch
-from helpers import ERRORS
 
 DIM_IN, HIDDEN, DIM = 6, 16, 5
 DROPOUT = 0.2

@@ -11,11 +11,11 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from pipeline_helpers import scifact_slice, tiny_bert
 
 from bigbatch.errors import ConfigError
 from bigbatch.train import train
 from bigbatch.train.checkpoint import latest_checkpoint, rng_state, safe_load, set_rng_state
-from pipeline_helpers import scifact_slice, tiny_bert
 
 
 class _Payload:

@@ -45,7 +45,8 @@ def test_resolved_config_round_trips(tmp_path):
 def test_unknown_key_names_file_line_and_suggests(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("model: m\ntrain_data: d\nbatch_sise: 3\n")
-    with pytest.raises(ConfigError, match=r"c.yaml:3: unknown option 'batch_sise'; did you mean 'batch_size'"):
+    with pytest.raises(ConfigError,
+                       match=r"c.yaml:3: unknown option 'batch_sise'; did you mean 'batch_size'"):
         load_config(f)
 
 

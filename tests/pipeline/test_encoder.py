@@ -4,16 +4,16 @@ embeddings, for LoRA, merged LoRA and full fine-tuning."""
 
 from __future__ import annotations
 
-import pytest
 import warnings
 
+import pytest
 import torch
+from helpers import grads_of, max_rel_err, zero_grads
+from pipeline_helpers import minilm_path, tiny_bert
 
 import bigbatch as bb
 from bigbatch.encoders import TextEncoder, default_lora_targets
 from bigbatch.errors import ConfigError
-from helpers import grads_of, max_rel_err, zero_grads
-from pipeline_helpers import minilm_path, tiny_bert
 
 TEXTS = ["a short one", "a somewhat longer sentence about proteins and cells",
          "tumor suppression by p53"]

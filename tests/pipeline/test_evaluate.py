@@ -8,8 +8,12 @@ import pytest
 import torch
 
 from bigbatch.errors import DataError
-from bigbatch.retrieval.evaluate import (check_beir_split, evaluate_retrieval, retrieval_metrics,
-                                         unseen_query_ids)
+from bigbatch.retrieval.evaluate import (
+    check_beir_split,
+    evaluate_retrieval,
+    retrieval_metrics,
+    unseen_query_ids,
+)
 
 
 def test_metrics_by_hand():

@@ -9,11 +9,11 @@ import math
 from pathlib import Path
 
 import pytest
+from pipeline_helpers import minilm_path, scifact_slice, tiny_bert
 
 from bigbatch.cli import main
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.train import TrainConfig, train
-from pipeline_helpers import minilm_path, scifact_slice, tiny_bert
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,11 @@ chunk leaves the run's random draws as they were."""
 from __future__ import annotations
 
 import pytest
+from test_train import assets, config, train_losses  # noqa: F401 - the module's fixture
 
 from bigbatch.errors import ConfigError
-from bigbatch.train.memory_estimate import StepMemory
 from bigbatch.train import memory_check, train
-from test_train import assets, config, train_losses  # noqa: F401 - the module's fixture
+from bigbatch.train.memory_estimate import StepMemory
 
 
 def test_the_start_line_states_the_step_memory(assets, tmp_path, capsys):  # noqa: F811

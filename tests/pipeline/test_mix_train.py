@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from pipeline_helpers import scifact_slice, tiny_bert
 
 from bigbatch.cli import main
 from bigbatch.encoders import TextEncoder, load_encoder
 from bigbatch.train import TrainConfig, train
-from pipeline_helpers import scifact_slice, tiny_bert
 
 
 @pytest.fixture(scope="module")

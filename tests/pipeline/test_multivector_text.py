@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import grads_of, max_rel_err, zero_grads
+from multivector_helpers import naive_maxsim_loss, naive_scores, run_chunked
+from pipeline_helpers import scifact_slice, tiny_bert
 
 import bigbatch as bb
 from bigbatch.cli import main
 from bigbatch.encoders import MultiVectorTextEncoder, load_encoder
 from bigbatch.errors import ConfigError
 from bigbatch.retrieval.evaluate import evaluate_beir
-from helpers import grads_of, max_rel_err, zero_grads
-from multivector_helpers import naive_maxsim_loss, naive_scores, run_chunked
-from pipeline_helpers import scifact_slice, tiny_bert
 
 TEXTS = ["hello, world!", "The cat sat on the mat. It was happy; very happy.",
          "p53 suppresses tumours (in mice)", "a"]
@@ -155,8 +155,7 @@ def test_train_two_steps_from_the_command_line(tiny, data, tmp_path, lora):
 def _brute_force(enc, data):
     """Every (query, document) MaxSim score at once (documents rounded to float16 as they are
     stored), and the ranking metrics by pytrec_eval."""
-    from bigbatch.data.readers.beir_dir import load_qrels, load_queries
-    from bigbatch.data.readers.beir_dir import iter_corpus
+    from bigbatch.data.readers.beir_dir import iter_corpus, load_qrels, load_queries
 
     qrels = load_qrels(data / "qrels" / "test.tsv")
     queries = load_queries(data / "queries.jsonl", set(qrels))

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from pipeline_helpers import scifact_slice, tiny_bert
 
 from bigbatch.cli import main
 from bigbatch.errors import ConfigError
 from bigbatch.train import TrainConfig, train
-from pipeline_helpers import scifact_slice, tiny_bert
 
 
 @pytest.fixture(scope="module")

@@ -107,12 +107,12 @@ def test_epoch_batches_deterministic_and_sharded():
 def _fixed_corpus(tmp_path, data, recs):
     """Query-side tuning's whole-corpus negatives for ``recs`` (tiny BERT, corpus negatives)."""
     import torch
+    from pipeline_helpers import tiny_bert
 
-    from bigbatch.engine.distributed import WorldInfo
     from bigbatch.encoders import TextEncoder
+    from bigbatch.engine.distributed import WorldInfo
     from bigbatch.train import TrainConfig
     from bigbatch.train.corpus_negatives import FixedCorpus
-    from pipeline_helpers import tiny_bert
 
     config = TrainConfig(model="unused", train_data=str(data), output_dir=str(tmp_path / "o"),
                          mode="query-side-tune", doc_negatives="corpus")

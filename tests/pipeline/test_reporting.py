@@ -11,10 +11,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from pipeline_helpers import scifact_slice, tiny_bert
 
 from bigbatch.errors import ConfigError
 from bigbatch.train import TrainConfig, train
-from pipeline_helpers import scifact_slice, tiny_bert
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from pipeline_helpers import scifact_slice, tiny_bert
 from safetensors.torch import load_file
 
 from bigbatch.cli import main
 from bigbatch.train import TrainConfig, train
 from bigbatch.train.checkpoint import latest_checkpoint
-from pipeline_helpers import scifact_slice, tiny_bert
 
 
 @pytest.fixture(scope="module")

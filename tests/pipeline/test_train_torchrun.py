@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from pipeline_helpers import scifact_slice, tiny_bert
 
 COMMON = ["--max-steps", "3", "--warmup-steps", "1", "--grad-cache-chunk", "3", "--lora-r", "0",

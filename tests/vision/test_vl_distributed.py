@@ -11,8 +11,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "distributed"))
-import vl_cases  # noqa: E402
-from dist_helpers import spawn_and_collect  # noqa: E402
+import vl_cases
+from dist_helpers import spawn_and_collect
 
 TOL = 1e-10
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import DT, grads_of, max_rel_err, zero_grads
 
 import bigbatch as bb
 from bigbatch.data.records.image_checks import ImageDoc
 from bigbatch.encoders.vision import VisionLanguageEncoder
-from helpers import DT, grads_of, max_rel_err, zero_grads
 
 QUERIES = ["what does the figure show", "protein folding under heat stress", "a claim",
            "ribosome assembly in bacteria"]

@@ -13,15 +13,15 @@ from typing import ClassVar
 
 import pytest
 import torch
+from helpers import DT, grads_of, max_rel_err, zero_grads
+from multivector_helpers import padded_cat
+from pipeline_helpers import scifact_slice
 from torch import nn
 
 import bigbatch as bb
 from bigbatch.data.records.image_checks import ImageDoc
 from bigbatch.encoders.vision_multivector import MultiVectorVisionEncoder
 from bigbatch.errors import ConfigError
-from helpers import DT, grads_of, max_rel_err, zero_grads
-from multivector_helpers import padded_cat
-from pipeline_helpers import scifact_slice
 
 QUERIES = ["what does the figure show", "protein folding under heat stress", "a claim",
            "ribosome assembly in bacteria"]

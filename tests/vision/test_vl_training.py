@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import DT, grads_of, max_rel_err, zero_grads
+from pipeline_helpers import scifact_slice, tiny_bert
 
 import bigbatch as bb
 from bigbatch.cli import main
 from bigbatch.data import load_records
 from bigbatch.data.records.image_checks import ImageDoc, doc_key
 from bigbatch.train import TrainConfig, train
-from helpers import DT, grads_of, max_rel_err, zero_grads
-from pipeline_helpers import scifact_slice, tiny_bert
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ into L2-normalised embeddings. All fulfil the contract declared in
 Imports transformers and peft lazily, so ``import bigbatch`` stays light.
 """
 
-from .loading import load_encoder
 from .base import EncoderBase, FrozenDocTower
+from .loading import load_encoder
 from .text import TextEncoder, default_lora_targets
 from .text_multivector import MultiVectorTextEncoder
 from .vision import VisionLanguageEncoder, is_vision_language_model

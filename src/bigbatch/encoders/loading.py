@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .text_multivector import multivector_settings
 from .text import TextEncoder
+from .text_multivector import multivector_settings
 
 __all__ = ["load_encoder", "st_settings"]
 
@@ -77,8 +77,8 @@ _VL_KEYS = _VL_ONLY_KEYS + ("max_length", "normalize")
 def _load_vision_language(path: Path, meta: dict[str, Any], overrides: dict[str, Any]) -> Any:
     """A Qwen-VL folder: single-vector, or multi-vector (ColQwen) when its
     ``bigbatch_encoder.json`` says ``"pooling": "multivector"``."""
-    from .vision_multivector import MultiVectorVisionEncoder
     from .vision import VisionLanguageEncoder
+    from .vision_multivector import MultiVectorVisionEncoder
 
     settings = {k: meta[k] for k in _VL_KEYS if k in meta}
     settings.update({k: v for k, v in overrides.items() if v is not None and k in _VL_KEYS})

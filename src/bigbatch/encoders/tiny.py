@@ -71,7 +71,8 @@ def build_tiny_vl(path: str | Path, family: str = "qwen3_vl", *, hidden: int = 3
                   vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(seed)
     if family == "qwen3_vl":
-        from transformers import Qwen3VLConfig as Config, Qwen3VLModel as Model
+        from transformers import Qwen3VLConfig as Config
+        from transformers import Qwen3VLModel as Model
 
         text["head_dim"] = head_dim
         text["rope_parameters"]["mrope_interleaved"] = True
@@ -82,13 +83,15 @@ def build_tiny_vl(path: str | Path, family: str = "qwen3_vl", *, hidden: int = 3
         patch = 16
     else:
         if family == "qwen2_vl":
-            from transformers import Qwen2VLConfig as Config, Qwen2VLModel as Model
+            from transformers import Qwen2VLConfig as Config
+            from transformers import Qwen2VLModel as Model
 
             vision = dict(depth=vision_layers, embed_dim=hidden, hidden_size=hidden,
                           num_heads=heads, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
                           temporal_patch_size=2)
         else:
-            from transformers import Qwen2_5_VLConfig as Config, Qwen2_5_VLModel as Model
+            from transformers import Qwen2_5_VLConfig as Config
+            from transformers import Qwen2_5_VLModel as Model
 
             vision = dict(depth=vision_layers, hidden_size=hidden, intermediate_size=2 * hidden,
                           num_heads=heads, out_hidden_size=hidden, patch_size=14,
@@ -100,8 +103,7 @@ def build_tiny_vl(path: str | Path, family: str = "qwen3_vl", *, hidden: int = 3
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     factor = patch * 2
     Qwen2VLImageProcessorPil(patch_size=patch, merge_size=2, temporal_patch_size=2,

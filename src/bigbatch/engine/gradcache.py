@@ -38,12 +38,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import chunking, rank_step as crossrank
+from ..errors import ConfigError, InputError, NonFiniteError
+from . import chunking
 from . import distributed as D
 from . import embeddings as E
+from . import rank_step as crossrank
 from .chunking import Chunk
 from .embeddings import Embedding
-from ..errors import ConfigError, InputError, NonFiniteError
 from .loss_contract import LossArguments, loss_and_metrics, scalar_loss
 from .rng import RandContext
 
@@ -149,7 +150,8 @@ class GradCache:
         cross_device: under ``torch.distributed`` with more than one process, gather every
             rank's embeddings so each query sees the whole global batch as negatives, with
             gradients flowing back to the rank that embedded them (see
-            :mod:`bigbatch.engine.distributed` for the exact scaling). False: each rank's loss is local.
+            :mod:`bigbatch.engine.distributed` for the exact scaling). False: each rank's loss is
+            local.
         process_group: the group to gather over and synchronise in (default: the world).
         sync_gradients: under ``torch.distributed``, sum the gradients over ranks once per
             step (one coalesced all-reduce, which also carries the failure flags of the
@@ -235,7 +237,8 @@ class GradCache:
             return tower(**chunk)
         return tower(chunk)
 
-    def compute_loss(self, reps: dict[str, Embedding], **loss_kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    def compute_loss(self, reps: dict[str, Embedding],
+                     **loss_kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """Call the loss on the full-batch embeddings and return ``(loss, metrics)``."""
         return loss_and_metrics(self.loss_fn(**reps, **loss_kwargs))
 
@@ -301,7 +304,7 @@ class GradCache:
             if failure is None:
                 try:
                     self._replay_all(runs, ranks.fsdp)                   # (3) with gradients
-                except Exception as e:  # noqa: BLE001 - shared in the gradient sync below
+                except Exception as e:
                     if D.is_shared(e):  # every rank raised it already
                         raise
                     failure, where = e, self._where

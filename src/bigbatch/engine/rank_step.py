@@ -64,10 +64,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..errors import ConfigError, InputError, NonFiniteError, ShapeError
 from . import distributed as D
 from . import embeddings as E
 from .embeddings import Embedding
-from ..errors import ConfigError, InputError, NonFiniteError, ShapeError
 from .loss_contract import scalar_loss
 
 __all__ = ["RankStep", "LossOutcome", "fsdp_modules", "fsdp_sync_points", "set_fsdp_sync",
@@ -366,7 +366,7 @@ class RankStep:
                 (self.scaler.scale(backprop) if self.scaler is not None else backprop).backward()
         except D.PeerFailed as e:  # another rank failed; it took part in the gather's backward
             D.share_failure(None, e.failed, group)
-        except Exception as e:  # noqa: BLE001 - this rank failed: tell the others
+        except Exception as e:
             if D.is_shared(e):  # every rank raised it already
                 raise
             if not state.pending:  # no collective before the sync: share it there

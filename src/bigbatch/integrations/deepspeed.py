@@ -51,8 +51,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..engine.gradcache import GradCache, StepResult
 from ..engine.embeddings import TokenEmbeddings
+from ..engine.gradcache import GradCache, StepResult
 from ..errors import ConfigError
 
 __all__ = ["DeepSpeedTower", "deepspeed_cache", "deepspeed_step", "check_engine",

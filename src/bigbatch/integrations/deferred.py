@@ -35,8 +35,8 @@ from ..engine import chunking
 from ..engine import distributed as D
 from ..engine import embeddings as E
 from ..engine.gradcache import GradCache
-from ..errors import ConfigError
 from ..engine.loss_contract import scalar_loss
+from ..errors import ConfigError
 
 __all__ = ["gradcache_loss", "evaluation_loss", "trainable_params", "wants_sync",
            "check_wrappers"]

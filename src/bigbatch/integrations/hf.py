@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from ..engine.gradcache import GradCache
 from ..encoders.base import EncoderBase
+from ..engine.gradcache import GradCache
 from ..errors import ConfigError
 from .deferred import evaluation_loss, gradcache_loss
 

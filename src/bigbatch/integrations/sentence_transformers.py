@@ -30,8 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from ..engine import distributed as D
-from ..engine.gradcache import GradCache
 from ..engine.chunking import Chunk
+from ..engine.gradcache import GradCache
 from ..errors import ConfigError, InputError, ShapeError
 from ..losses import InfoNCE, LossOutput, PartialLoss
 from .deferred import evaluation_loss, gradcache_loss

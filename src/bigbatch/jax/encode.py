@@ -1,6 +1,7 @@
 """A Flax sentence encoder as bigbatch's evaluation and mining code expect one: ``encode(texts,
 side, batch_size, device, progress)`` returning float32 torch embeddings, so
-:func:`bigbatch.retrieval.evaluate.evaluate_beir` scores a JAX model exactly as it scores a PyTorch one.
+:func:`bigbatch.retrieval.evaluate.evaluate_beir` scores a JAX model exactly as it scores a PyTorch
+one.
 
 Texts are tokenized with the model folder's tokenizer (transformers), embedded longest first
 in batches of ``batch_size`` rows, each batch padded to a multiple of 32 tokens (and short

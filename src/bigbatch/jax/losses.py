@@ -31,8 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError, InputError, ShapeError
-from ..losses.layout import (MAX_BLOCK_LOGITS, STATS, check_blocking, hard_negative_count,
-                             id_codes as _codes, initial_log_scale, rows_per_block)
+from ..losses.layout import (
+    MAX_BLOCK_LOGITS,
+    STATS,
+    check_blocking,
+    hard_negative_count,
+    initial_log_scale,
+    rows_per_block,
+)
+from ..losses.layout import id_codes as _codes
 from .rows import fold_chunks
 
 __all__ = ["InfoNCE", "cross_entropy_sum", "id_codes"]

@@ -17,8 +17,15 @@ The losses import the engine's types only; the engine imports no loss.
 from .base import LogitScale, LossOutput, PartialLoss, TemperatureLoss, ids_tensor
 from .corpus import CorpusInfoNCE
 from .infonce import InfoNCE
-from .layout import (EXTRA_NEGATIVES, MAX_BLOCK_LOGITS, STATS, extra_negatives_of,
-                     hard_negative_count, initial_log_scale, rows_per_block)
+from .layout import (
+                     EXTRA_NEGATIVES,
+                     MAX_BLOCK_LOGITS,
+                     STATS,
+                     extra_negatives_of,
+                     hard_negative_count,
+                     initial_log_scale,
+                     rows_per_block,
+)
 from .matryoshka import Matryoshka
 from .maxsim import MaxSimInfoNCE
 

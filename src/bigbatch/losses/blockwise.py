@@ -17,9 +17,11 @@ without further ``block x N`` tensors. Results equal the dense computation to ro
 
 Dense (``block=None``): one autograd graph over all ``B x N`` logits, the reference.
 
-Block size rule (:func:`~bigbatch.losses.layout.rows_per_block`): ``block_size`` rows when given; otherwise as
+Block size rule (:func:`~bigbatch.losses.layout.rows_per_block`): ``block_size`` rows when given;
+otherwise as
 many rows as keep a block within ``max_block_logits`` logits (default
-:data:`~bigbatch.losses.layout.MAX_BLOCK_LOGITS` = 2**22, 16 MiB in float32), i.e. ``max(1, max_block_logits // N)``
+:data:`~bigbatch.losses.layout.MAX_BLOCK_LOGITS` = 2**22, 16 MiB in float32), i.e. ``max(1,
+max_block_logits // N)``
 rows for ``N`` columns (a single row holds ``N`` logits even when that is more).
 """
 
@@ -98,7 +100,8 @@ class Exclusions:
 
 def _stats_(sim: Tensor, pos: Tensor, pos_sim: Tensor, group: int,
             mask: Tensor | None) -> Tensor:
-    """The :data:`~bigbatch.losses.layout.STATS` sums of one block, in at least float32, but ``correct`` (left at
+    """The :data:`~bigbatch.losses.layout.STATS` sums of one block, in at least float32, but
+    ``correct`` (left at
     zero: the caller takes the logits' argmax). Works in place on ``sim``, with no further
     ``block x N`` tensor: excluded entries are left at zero, the others restored."""
     acc = torch.promote_types(sim.dtype, torch.float32)
@@ -239,7 +242,8 @@ def cross_entropy_sum(rows: Tensor, cols: Tensor, pos: Tensor, scale: Tensor, *,
         with_stats: compute the :data:`~bigbatch.losses.layout.STATS` sums (zeros otherwise).
 
     Returns:
-        ``(loss_sum, stats)``: the differentiable sum and the detached :data:`~bigbatch.losses.layout.STATS` sums
+        ``(loss_sum, stats)``: the differentiable sum and the detached
+        :data:`~bigbatch.losses.layout.STATS` sums
         (in at least float32).
     """
     if block is None:

@@ -43,8 +43,14 @@ from .base import LossOutput, PartialLoss, TemperatureLoss, ids_tensor
 from .blockwise import Exclusions, cross_entropy_sum
 from .distill import Distillation, teacher_tensor
 from .guided import GuideRule, check_guide, count_guided
-from .layout import (MAX_BLOCK_LOGITS, STATS, check_blocking, extra_negatives_of,
-                     hard_negative_count, rows_per_block)
+from .layout import (
+    MAX_BLOCK_LOGITS,
+    STATS,
+    check_blocking,
+    extra_negatives_of,
+    hard_negative_count,
+    rows_per_block,
+)
 
 if TYPE_CHECKING:
     from ..engine.distributed import Gathered

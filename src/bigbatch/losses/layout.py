@@ -96,7 +96,8 @@ MAX_BLOCK_LOGITS = 2 ** 22
 """Default bound on the logits of one block (4,194,304: 16 MiB in float32)."""
 
 STATS = ("pos_sum", "correct", "neg_sum", "neg_n", "inb_sum", "inb_n", "hard_sum", "hard_n")
-"""Order of the metric sums :func:`~bigbatch.losses.blockwise.cross_entropy_sum` returns (sums and counts over rows):
+"""Order of the metric sums :func:`~bigbatch.losses.blockwise.cross_entropy_sum` returns (sums and
+counts over rows):
 positive similarity, top-1 hits, unexcluded negatives (all, outside the row's own group of
 columns, inside it: hard negatives), each as a similarity sum and a count."""
 

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..engine.embeddings import TokenEmbeddings
-from ..errors import ConfigError, ShapeError
 from ..engine.loss_contract import loss_and_metrics
+from ..errors import ConfigError, ShapeError
 from .base import LossOutput, PartialLoss
 
 if TYPE_CHECKING:

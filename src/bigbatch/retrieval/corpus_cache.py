@@ -26,7 +26,8 @@ from ..data.readers.beir_dir import corpus_doc, iter_corpus
 from ..data.readers.jsonl import iter_jsonl
 from ..data.records.types import ImageDoc, doc_key
 
-__all__ = ["embed_corpus", "EmbeddingFile", "corpus_key", "documents_key", "embeddings_file", "save_embeddings", "load_embeddings"]
+__all__ = ["embed_corpus", "EmbeddingFile", "corpus_key", "documents_key", "embeddings_file",
+           "save_embeddings", "load_embeddings"]
 
 
 def _stamp(path: str | Path) -> list[Any]:

@@ -224,8 +224,8 @@ def _maxsim_scorer(encoder: Any, corpus: Path, texts: list[str], batch_size: int
     token store, a block of documents at a time; as many queries at once as keep the
     scores under 256 MiB. When every query's scores fit there, they are computed once (the
     ``unseen/`` subset takes its rows from them)."""
-    from .token_store import embed_corpus_tokens
     from ..engine.embeddings import TokenEmbeddings
+    from .token_store import embed_corpus_tokens
 
     store = embed_corpus_tokens(encoder, corpus, batch_size=batch_size, device=device,
                                 cache_dir=cache_dir, progress=progress)

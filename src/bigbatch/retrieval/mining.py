@@ -38,11 +38,10 @@ from typing import Any
 import torch
 
 from .._progress import progress_bar
-from ..errors import ConfigError
-from ..data.readers.beir_dir import load_qrels, load_queries
-from ..data.readers.beir_dir import corpus_texts, iter_corpus
-from .corpus_cache import embed_corpus
+from ..data.readers.beir_dir import corpus_texts, iter_corpus, load_qrels, load_queries
 from ..data.records.types import ImageDoc, doc_key
+from ..errors import ConfigError
+from .corpus_cache import embed_corpus
 
 __all__ = ["MiningOptions", "MiningReport", "mine_hard_negatives"]
 

@@ -13,7 +13,8 @@ never sees half of one):
 Disk: 2 x dim bytes per scored token (128 dims: 256 bytes). Memory: the ids and two int64 per
 document; the vectors are paged in by the operating system as blocks are scored.
 
-The cache is the corpus-embedding cache's (:func:`bigbatch.retrieval.corpus_cache.embeddings_file`: the
+The cache is the corpus-embedding cache's (:func:`bigbatch.retrieval.corpus_cache.embeddings_file`:
+the
 encoder's ``cache_key()`` and the corpus's identity), the folder named ``*.tokens``. Without a
 cache folder the store lives in a temporary folder removed with the :class:`TokenStore`.
 The encoder is duck-typed: ``cache_key()`` and ``encode_tokens(texts, side=...)`` (see
@@ -32,9 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..data.readers.beir_dir import iter_corpus
 from ..engine.embeddings import TokenEmbeddings, stack_rows
 from ..losses.maxsim import maxsim_scores
-from ..data.readers.beir_dir import iter_corpus
 from .corpus_cache import corpus_key, embeddings_file
 
 __all__ = ["TokenStore", "TokenStoreWriter", "embed_corpus_tokens", "BLOCK_ELEMENTS",

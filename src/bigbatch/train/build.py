@@ -87,8 +87,8 @@ def build_encoder(config: TrainConfig, records: Sequence, lora_r: int) -> Any:
         raise ConfigError(f"--exclude-instruction-from-pooling: {config.model} is a "
                           f"vision-language model, pooled by its last token (never an "
                           f"instruction token); leave the option out")
-    from ..encoders.vision_multivector import MultiVectorVisionEncoder
     from ..encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
+    from ..encoders.vision_multivector import MultiVectorVisionEncoder
 
     # --pooling multivector: ColQwen-style, one projected vector per token
     cls, extra = (MultiVectorVisionEncoder, {"dim": config.multivector_dim}) \

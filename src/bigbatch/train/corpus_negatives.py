@@ -76,8 +76,12 @@ class FixedCorpus:
         """The documents' embeddings: the main rank embeds and caches them (or finds them
         cached), the others load its file, or embed themselves when they cannot."""
         from ..data.readers.files import default_cache_dir
-        from ..retrieval.corpus_cache import (documents_key, embeddings_file, load_embeddings,
-                                              save_embeddings)
+        from ..retrieval.corpus_cache import (
+            documents_key,
+            embeddings_file,
+            load_embeddings,
+            save_embeddings,
+        )
 
         # keyed by the encoder (files and settings) and every document (id, content key, and
         # an image's size and modification time)

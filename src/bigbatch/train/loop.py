@@ -23,21 +23,37 @@ from typing import Any
 
 import torch
 
-from ..engine import distributed as D
 from .._progress import progress_bar
+from ..engine import distributed as D
 from ..errors import ConfigError
-from .build import (DTYPES, build_cache, build_deepspeed, build_encoder, build_loss,
-                    build_optimizer, check_matryoshka_width, device_for)
-from .checkpoint import (abandon_later_checkpoints, atomic_dir, finished_run, latest_checkpoint,
-                         load_checkpoint, recover_output_dir, rotate_checkpoints, save_checkpoint,
-                         write_errors)
+from .build import (
+    DTYPES,
+    build_cache,
+    build_deepspeed,
+    build_encoder,
+    build_loss,
+    build_optimizer,
+    check_matryoshka_width,
+    device_for,
+)
+from .checkpoint import (
+    abandon_later_checkpoints,
+    atomic_dir,
+    finished_run,
+    latest_checkpoint,
+    load_checkpoint,
+    recover_output_dir,
+    rotate_checkpoints,
+    save_checkpoint,
+    write_errors,
+)
 from .config import TrainConfig
 from .corpus_negatives import FixedCorpus
 from .guide import Guide
 from .logging import RunLogger, eval_columns, format_eval_row, plot_metrics
+from .main_rank import barrier, from_main, gather_rng_states
 from .memory_check import check_fits, describe, estimate_run_step, free_memory
 from .outdir import check_output_dir, claim_output_dir, remove_created
-from .main_rank import barrier, from_main, gather_rng_states
 from .resume import check_resume_matches, check_resumed_data, check_resumed_step, resume_path
 from .runid import new_run_id, run_id_of
 from .schedule import make_scheduler

@@ -6,8 +6,8 @@ with a long timeout. Also the gathering of every rank's random state for a check
 
 from __future__ import annotations
 
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from ..engine import distributed as D

@@ -1,5 +1,6 @@
 """The memory guard rail of ``bigbatch train``: before the first step, estimate what one
-GradCache step will add (:func:`bigbatch.train.memory_estimate.estimate_step_memory`: the cached embeddings
+GradCache step will add (:func:`bigbatch.train.memory_estimate.estimate_step_memory`: the cached
+embeddings
 and their gradients, per-chunk random states, the parameters' gradients, one loss block, and
 one chunk's activations measured on a probe chunk of the training data), say so in the start
 line, and stop with the numbers and what to lower when the estimate exceeds the memory the

@@ -48,9 +48,9 @@ def _load_records(config: TrainConfig, spec: Any, k: int, several: bool) -> Sequ
     (:func:`~bigbatch.data.records.store.open_records`: the main rank validates and indexes
     the source once while the others wait, then every rank opens the index); a problem
     names the source."""
-    from ..engine import distributed as D
     from ..data.mix import CappedRecords
     from ..data.records.store import open_records
+    from ..engine import distributed as D
     from .main_rank import main_first
 
     try:

@@ -4,7 +4,8 @@
 Formats (``--from`` / ``--to`` names), one module each, registered in one table of how each
 is detected, read and written:
 
-- ``contrastors`` (:mod:`.contrastors`): Qwen3-VL-Embedding's training pipeline's JSONL, documents as files
+- ``contrastors`` (:mod:`.contrastors`): Qwen3-VL-Embedding's training pipeline's JSONL, documents
+as files
   (``chunk_path``, ``neg_chunk_paths``) or as text (``positive``, ``negatives``).
 - ``swift`` (:mod:`.swift`): ms-swift's embedding JSONL (``messages``,
   ``positive_messages`` / ``negative_messages``, ``positive_images`` / ``negative_images``).

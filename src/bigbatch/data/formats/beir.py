@@ -22,7 +22,8 @@ __all__ = ["FORMAT"]
 
 
 def read(path: Path, problems: list[Problem], split: str = "train") -> list[Record]:
-    """The (query, positive) pairs of ``split`` (:func:`~bigbatch.data.readers.beir_dir.read_beir`), its
+    """The (query, positive) pairs of ``split``
+    (:func:`~bigbatch.data.readers.beir_dir.read_beir`), its
     problems added to ``problems``."""
     return read_beir(path, split, problems)
 

@@ -1,7 +1,8 @@
 """The ``colpali`` format, read only by conversion: colpali-engine / ViDoRe tables (Parquet
 or a ``datasets`` folder) with a ``query`` column and the page as a Hugging Face ``Image``
 column. Recognising such a table and naming its columns by role lives here; converting it
-(its images written to files) is :mod:`bigbatch.data.tools.convert_colpali`. Validate and training say
+(its images written to files) is :mod:`bigbatch.data.tools.convert_colpali`. Validate and training
+say
 it must be converted, with the command.
 
 An ``Image`` feature is stored in Parquet and Arrow as a struct ``{bytes, path}``.

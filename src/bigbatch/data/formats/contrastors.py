@@ -12,8 +12,20 @@ from pathlib import Path
 from typing import Any
 
 from ..records.types import Doc, Problem, Record, is_image_path
-from .common import (ID_KEY, SCORE_KEYS, Format, WriteOptions, add_ids, add_scores, jsonl_stream,
-                     read_all, text_field, with_ids, with_scores, write_jsonl)
+from .common import (
+    ID_KEY,
+    SCORE_KEYS,
+    Format,
+    WriteOptions,
+    add_ids,
+    add_scores,
+    jsonl_stream,
+    read_all,
+    text_field,
+    with_ids,
+    with_scores,
+    write_jsonl,
+)
 
 __all__ = ["FORMAT", "CONTRASTORS_KEYS"]
 

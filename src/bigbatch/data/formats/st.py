@@ -26,8 +26,17 @@ from ..readers.files import open_data_file
 from ..readers.tables import is_hf_dataset, table_rows
 from ..records.types import Doc, Problem, Record
 from .colpali import is_colpali, not_converted_problem
-from .common import (ID_KEY, Format, WriteOptions, jsonl_rows, read_all, text_field, text_only,
-                     with_scores, write_jsonl)
+from .common import (
+    ID_KEY,
+    Format,
+    WriteOptions,
+    jsonl_rows,
+    read_all,
+    text_field,
+    text_only,
+    with_scores,
+    write_jsonl,
+)
 from .contrastors import CONTRASTORS_KEYS
 
 __all__ = ["FORMAT"]

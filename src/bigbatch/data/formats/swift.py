@@ -20,8 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from ..records.types import Doc, Problem, Record
-from .common import (Format, WriteOptions, add_ids, add_scores, jsonl_stream, read_all, with_ids,
-                     with_scores, write_jsonl)
+from .common import (
+    Format,
+    WriteOptions,
+    add_ids,
+    add_scores,
+    jsonl_stream,
+    read_all,
+    with_ids,
+    with_scores,
+    write_jsonl,
+)
 
 __all__ = ["FORMAT", "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION"]
 

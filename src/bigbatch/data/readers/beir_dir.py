@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import DataError
-from .files import open_data_file, outside_root
 from ..records.image_checks import check_image
-from .jsonl import iter_jsonl, jsonl_rows, text_field
 from ..records.types import Doc, ImageDoc, Problem, Record, TrainRecord, problem_lines
+from .files import open_data_file, outside_root
+from .jsonl import iter_jsonl, jsonl_rows, text_field
 
 __all__ = ["iter_corpus", "corpus_texts", "BeirData", "load_beir", "load_qrels", "load_queries", "read_beir",
            "beir_training_records", "doc_text", "corpus_doc", "check_corpus_ids",

@@ -13,7 +13,8 @@ anything on the machine. Reading one must give an answer, never hang or exhaust 
   hold at most :data:`MAX_IMAGE_BYTES` (256 MiB; Pillow's decompression-bomb limit bounds
   its pixels).
 - Confinement (``--data-root DIR``, :class:`~bigbatch.train.TrainConfig` ``data_root``):
-  by default data may name any file the user can read, as Qwen3-VL-Embedding's training pipeline allows; with a
+  by default data may name any file the user can read, as Qwen3-VL-Embedding's training pipeline
+  allows; with a
   data root, a path that resolves (symbolic links and ``..`` followed) outside that folder
   is refused (:func:`outside_root`).
 
@@ -32,8 +33,8 @@ from typing import IO, Any
 
 from ...errors import ConfigError, DataError
 
-__all__ = ["default_cache_dir", "MAX_TEXT_FILE_BYTES", "MAX_IMAGE_BYTES", "NotRegularFileError", "FileTooLargeError",
-           "open_regular", "open_data_file", "read_limited", "outside_root"]
+__all__ = ["default_cache_dir", "MAX_TEXT_FILE_BYTES", "MAX_IMAGE_BYTES", "NotRegularFileError",
+           "FileTooLargeError", "open_regular", "open_data_file", "read_limited", "outside_root"]
 
 MAX_TEXT_FILE_BYTES = 8 * 2**20  # a text document file (chunk_path): read whole
 MAX_IMAGE_BYTES = 256 * 2**20  # a page image file

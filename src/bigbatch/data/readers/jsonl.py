@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from .files import open_data_file
 from ..records.types import Problem
+from .files import open_data_file
 
 __all__ = ["iter_jsonl", "open_jsonl", "LineProblem", "jsonl_rows", "text_field"]
 

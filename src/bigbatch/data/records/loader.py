@@ -2,7 +2,8 @@
 
 A record is one query, one positive document and zero or more negatives. Files may be in any
 file format of :mod:`bigbatch.data.formats` (detected); JSONL files usually use
-Qwen3-VL-Embedding's training pipeline's keys (``query``; the positive as ``positive`` text or ``chunk_path``,
+Qwen3-VL-Embedding's training pipeline's keys (``query``; the positive as ``positive`` text or
+``chunk_path``,
 a path to a text file or a page image; negatives as ``negatives`` texts or
 ``neg_chunk_paths``). Relative paths resolve against the JSONL file's folder. Image paths
 become :class:`~bigbatch.data.records.types.ImageDoc` documents, opened only when their chunk is
@@ -18,12 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import ConfigError, DataError
+from ..formats import detect_format, format_of, instruction_problems, read_records
 from ..readers.beir_dir import beir_training_records
 from ..readers.files import MAX_TEXT_FILE_BYTES, outside_root, read_limited
-from ..formats import detect_format, format_of, instruction_problems, read_records
 from .image_checks import check_image
-from .types import (IMAGE_SUFFIXES, Doc, ImageDoc, Problem, Record, TrainRecord, problem_lines,
-                    source_folder)
+from .types import (
+    IMAGE_SUFFIXES,
+    Doc,
+    ImageDoc,
+    Problem,
+    Record,
+    TrainRecord,
+    problem_lines,
+    source_folder,
+)
 
 # TrainRecord is defined in bigbatch.data.records.types and stays importable from here
 __all__ = ["TrainRecord", "load_jsonl_records", "load_records", "resolve_doc", "resolve_record",

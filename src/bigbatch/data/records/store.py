@@ -14,7 +14,8 @@ object.
 - Parquet files and folders of Parquet shards: Parquet is compressed and cannot be read by
   row cheaply, so each file is written once, uncompressed, as an Arrow IPC file in the
   index, and memory-mapped.
-- BEIR directories and CSV files are read whole (:func:`~bigbatch.data.records.loader.load_records`).
+- BEIR directories and CSV files are read whole
+(:func:`~bigbatch.data.records.loader.load_records`).
 
 The index is kept in ``$BIGBATCH_CACHE/records/`` (``~/.cache/bigbatch``), one folder per
 source and ``--split``, beside a ``meta.json`` naming each file it indexes by size,
@@ -45,9 +46,9 @@ from ...errors import DataError
 from ..formats import format_of, get_format, stream_records
 from ..formats.common import Format
 from ..formats.instructions import SystemCounts
-from .loader import RecordSummary, load_records, raise_problems, short_negatives_error, train_record
 from ..readers.shards import is_shard_folder, shard_files
 from ..readers.tables import hf_dataset_files, is_hf_dataset
+from .loader import RecordSummary, load_records, raise_problems, short_negatives_error, train_record
 from .types import Problem, TrainRecord, problem_lines
 
 __all__ = ["open_records", "RecordStore", "index_folder", "INDEX_VERSION"]

@@ -33,8 +33,14 @@ from typing import Any
 from ..._progress import progress_bar
 from ...errors import DataError
 from ..formats import check_output, write_records
-from ..formats.colpali import (NEGATIVE_COLUMNS, POSITIVE_COLUMNS, QUERY_COLUMN, colpali_columns,
-                               convert_command, is_colpali)
+from ..formats.colpali import (
+    NEGATIVE_COLUMNS,
+    POSITIVE_COLUMNS,
+    QUERY_COLUMN,
+    colpali_columns,
+    convert_command,
+    is_colpali,
+)
 from ..readers.tables import count_table_rows, table_rows
 from ..records.types import Doc, Problem, Record, problem_lines
 
