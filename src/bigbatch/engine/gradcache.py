@@ -39,10 +39,9 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError, InputError, NonFiniteError
-from . import chunking
+from . import chunking, rank_step
 from . import distributed as D
 from . import embeddings as E
-from . import rank_step as crossrank
 from .chunking import Chunk
 from .embeddings import Embedding
 from .loss_contract import LossArguments, loss_and_metrics, scalar_loss
@@ -270,13 +269,13 @@ class GradCache:
         loss_kwargs = self._loss_args.of_step(inputs)
         runs = [self._plan(name, inputs[name]) for name in self.towers]
         self._where = ""
-        with crossrank.no_sync(self.towers, ranks.fsdp), torch.enable_grad():
+        with rank_step.no_sync(self.towers, ranks.fsdp), torch.enable_grad():
             self._embed_all(runs)                                        # (1) no gradients
             total, metrics = self._loss_and_backward(runs, loss_kwargs)  # (2) dL/d(embedding)
             self._replay_all(runs, ranks.fsdp)                           # (3) with gradients
         return StepResult(total, metrics)
 
-    def _step_across_ranks(self, ranks: crossrank.RankStep, inputs: dict[str, Any]) -> StepResult:
+    def _step_across_ranks(self, ranks: rank_step.RankStep, inputs: dict[str, Any]) -> StepResult:
         """:meth:`step` under ``torch.distributed``: the same three stages, with the
         agreements of :class:`bigbatch.engine.rank_step.RankStep` between them."""
         runs: list[_TowerRun] = []
@@ -291,7 +290,7 @@ class GradCache:
             failure = e
         counts = ranks.agree_on_sizes({r.name: r.rows for r in runs}, loss_kwargs, failure)
         self._where = ""
-        with crossrank.no_sync(self.towers, ranks.fsdp), torch.enable_grad():
+        with rank_step.no_sync(self.towers, ranks.fsdp), torch.enable_grad():
             failure = None
             try:
                 self._embed_all(runs)                                    # (1) no gradients
@@ -369,13 +368,13 @@ class GradCache:
             if run.kept is not None:  # before every replay: frees the kept graph first, so
                 jobs.insert(0, (run, None, grads[-1]))  # one chunk's activations at a time
             jobs.extend((run, c, grads[c]) for c in range(len(run.contexts)))
-        sync_at = crossrank.fsdp_sync_points([self.towers[run.name] for run, _, _ in jobs], fsdp)
+        sync_at = rank_step.fsdp_sync_points([self.towers[run.name] for run, _, _ in jobs], fsdp)
         for j, (run, c, g) in enumerate(jobs):
             if run.order is not None:  # g: the chunk's rows of the cached gradient
                 g = E.grad_of(run.reps).index_select(0, g)
             span = run.spans[-1 if c is None else c] if run.spans else None
             if j in sync_at:  # reduce-scatter on each FSDP module's last backward only
-                crossrank.set_fsdp_sync(sync_at[j], True)
+                rank_step.set_fsdp_sync(sync_at[j], True)
             self._where = (f"while re-embedding tower {run.name!r} (chunk {c}, second pass)"
                            if c is not None else f"in the backward of tower {run.name!r} "
                            f"(chunk {len(run.chunks) - 1}, kept from the first pass)")
@@ -446,9 +445,9 @@ class GradCache:
                               "split_inputs defines its own chunks (use chunk_size there)")
         return budgets
 
-    def _rank_step(self) -> crossrank.RankStep:
+    def _rank_step(self) -> rank_step.RankStep:
         """The cross-rank agreements of one step, with the options as they are now."""
-        return crossrank.RankStep(self.towers, self.loss_fn, group=self.process_group,
+        return rank_step.RankStep(self.towers, self.loss_fn, group=self.process_group,
                                   cross_device=self.cross_device,
                                   check_finite=self.check_finite,
                                   sync_gradients=self.sync_gradients,
