@@ -60,9 +60,10 @@ demo-mix: $(STAMP)
 		--query-field title --doc-field text
 	HF_HUB_OFFLINE=1 $(VENV)/bin/bigbatch train --config configs/demo_mix.yaml \
 		--model "$(MINILM)" --eval-data "$(SCIFACT)" --overwrite
-# The same fine-tuning in JAX: the Flax MiniLM, the cached step, Optax AdamW (bigbatch.jax.demo).
+# The same fine-tuning in JAX: the Flax MiniLM, the cached step, Optax AdamW, make demo's
+# settings read from configs/demo_scifact.yaml (examples/jax_demo.py).
 demo-jax: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m bigbatch.jax.demo --model "$(MINILM)" --data "$(SCIFACT)"
+	HF_HUB_OFFLINE=1 $(PY) examples/jax_demo.py --model "$(MINILM)" --data "$(SCIFACT)"
 
 # all-MiniLM-L6-v2 as a ColBERT model (--pooling multivector, configs/demo_colbert.yaml) on
 # SciFact train; prints base and fine-tuned MaxSim figures, then (when `make demo` has run)

@@ -1,4 +1,7 @@
-"""Shared test helpers: tiny float64 towers and the unchunked reference gradient."""
+"""Set-up for every test folder: the root of tests/ on ``sys.path``, so the helper modules
+several folders share (helpers, pipeline_helpers, dist_helpers, multivector_helpers,
+objectives_helpers) import by name; record indexes in a cache folder of this run; one seed
+per test; the float64 gradient checks' summary."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Running test cases inside spawned gloo ranks: a free port, a worker that runs named cases
-in step on every rank and gathers their results, and the pytest side that spawns it."""
+in step on every rank and gathers their results, and the pytest side that spawns it.
+At the root of tests/: the two-rank tests of distributed/, data/, integrations/, pipeline/ and
+vision/ share it."""
 
 from __future__ import annotations
 

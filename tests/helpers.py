@@ -1,4 +1,6 @@
-"""Helpers for the engine tests: toy towers (with dropout and padding) and references."""
+"""Helpers for the engine tests: toy towers (with dropout and padding) and references.
+At the root of tests/: the engine tests of core/, distributed/, integrations/, jax/, pipeline/
+and vision/ share it."""
 
 from __future__ import annotations
 

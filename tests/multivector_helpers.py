@@ -1,6 +1,8 @@
 """Helpers for the late-interaction tests: a tiny token tower returning TokenEmbeddings, the
 padded concatenation of chunk outputs, and a naive dense MaxSim InfoNCE reference (the whole
-B x N x Tq x Td similarity tensor, no blocks), independent of bigbatch.losses.maxsim."""
+B x N x Tq x Td similarity tensor, no blocks), independent of bigbatch.losses.maxsim.
+At the root of tests/: the late-interaction tests of core/, distributed/, pipeline/ and
+vision/ share it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Helpers for the objective tests (Matryoshka, extra in-batch negatives, token-budget
 chunks): the engine's chunks of a tower rebuilt from the public chunking functions (so a
-reference draws the same dropout masks in the same order), and losses written out by hand."""
+reference draws the same dropout masks in the same order), and losses written out by hand.
+At the root of tests/: core/'s one-process tests and distributed/'s rank cases share it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Helpers for pipeline tests: a tiny random BERT saved to disk, and a small SciFact slice in
-BEIR layout written to a temporary directory (the data set itself stays in ../shared)."""
+BEIR layout written to a temporary directory (the data set itself stays in ../shared).
+At the root of tests/: the tests of pipeline/, data/, integrations/, jax/ and vision/ (and
+bench/data_scale.py) share it."""
 
 from __future__ import annotations
 

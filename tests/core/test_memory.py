@@ -14,7 +14,7 @@ import pytest
 
 from bigbatch.train.memory_estimate import CPU_RNG_STATE_BYTES, estimate_step_memory
 
-PROBE = Path(__file__).resolve().parents[1] / "memory_probe.py"
+PROBE = Path(__file__).resolve().parent / "memory_probe.py"
 BOUND = 2.0  # one step may add at most this multiple of (floor + one loss block + one chunk)
 
 

@@ -1,8 +1,9 @@
 """The package's layout rules, checked on every `make test`.
 
 - The import-linter contracts in ``pyproject.toml`` (``[tool.importlinter]``): imports run one
-  way down the layers of ``docs/architecture.md`` (interface, pipeline, encoders and data,
-  core) and core imports no model, adapter or file-format library.
+  way down the layers of ``docs/architecture.md``, the engine and the losses import no model,
+  adapter or file-format library, and ``bigbatch.jax`` no torch (directly or through another
+  module); each shown to break on a planted import in a copy of the package.
 - No module imports another module's ``_private`` name, neither with ``from x import _name``
   nor as an attribute of an imported module (``D._name``): what one module offers another
   is public and documented.
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -150,13 +152,48 @@ def test_the_check_sees_a_private_import(tmp_path):
     assert "uses bigbatch.a._helper" in found[1]
 
 
-def test_import_linter_contracts_hold():
+def _lint_imports(root: Path = ROOT, src: Path = ROOT / "src") -> subprocess.CompletedProcess:
+    """``lint-imports`` on the package under ``src`` with the contracts of ``root``'s
+    ``pyproject.toml``."""
     exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.fail("lint-imports is not installed: pip install -e '.[test]' brings import-linter")
-    out = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([exe, "--no-cache"], cwd=root, capture_output=True, text=True, env=env)
+
+
+def test_import_linter_contracts_hold():
+    out = _lint_imports()
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert out.stdout.rstrip().splitlines()[-1].endswith(" 0 broken."), out.stdout[-2000:]
+
+
+def _broken_with(tmp_path: Path, module: str, line: str) -> str:
+    """lint-imports' report on a copy of the package with ``line`` added to ``module`` (a
+    path under src/bigbatch)."""
+    shutil.copytree(SRC, tmp_path / "src" / "bigbatch",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / "src" / "bigbatch" / module
+    target.write_text(target.read_text() + f"\n{line}\n")
+    out = _lint_imports(tmp_path, tmp_path / "src")
+    assert out.returncode != 0, out.stdout[-2000:]
+    return out.stdout
+
+
+def test_the_layers_contract_sees_an_upward_import(tmp_path):
+    """The engine importing the training loop (engine -> train) breaks the layers."""
+    report = _broken_with(tmp_path, "engine/chunking.py", "from ..train import loop")
+    assert "bigbatch.engine is not allowed to import bigbatch.train" in report, report[-3000:]
+    assert "bigbatch.engine.chunking -> bigbatch.train.loop" in report
+
+
+def test_the_jax_contract_sees_torch_through_another_room(tmp_path):
+    """bigbatch.jax importing a module that imports torch (data/batches) breaks
+    jax-without-torch: import-linter follows the chain."""
+    report = _broken_with(tmp_path, "jax/rows.py", "from ..data import batches")
+    assert "bigbatch.jax is not allowed to import torch" in report, report[-3000:]
+    assert "bigbatch.jax.rows -> bigbatch.data.batches" in report
 
 
 def test_every_module_has_a_layer():

@@ -9,9 +9,13 @@ Public names::
     chunk_key(rng, tower_index, chunk_index)               # a chunk's random key
     InfoNCE, cross_entropy_sum, id_codes                   # the loss (bigbatch.InfoNCE's)
 
-The Flax all-MiniLM-L6-v2 encoder is in :mod:`bigbatch.jax.bert`, the SciFact demo in
-:mod:`bigbatch.jax.demo` (``make demo-jax``). Nothing else in bigbatch imports this package;
-it needs ``jax`` (and ``flax``, ``optax`` for the model and the demo).
+The Flax all-MiniLM-L6-v2 encoder is in :mod:`bigbatch.jax.bert`, and
+:mod:`bigbatch.jax.encode` puts a Flax model behind bigbatch's evaluation interface. A front
+end beside the command line: nothing else in bigbatch imports this package, and it imports no
+torch (an import-linter contract in ``pyproject.toml`` says so). It needs ``jax`` (and
+``flax``, ``tokenizers`` and ``safetensors`` for the model). The SciFact demo, which trains on
+bigbatch's batches and is scored by its evaluation, is ``examples/jax_demo.py`` (``make
+demo-jax``).
 """
 
 from .losses import InfoNCE, cross_entropy_sum, id_codes

@@ -148,8 +148,10 @@ class EmbeddingFile:
                                                  dir=folder)
         self.rows, self.dim = 0, None
 
-    def append(self, emb: torch.Tensor) -> None:
-        """Write the next block's ``(rows, dim)`` embeddings."""
+    def append(self, emb: Any) -> None:
+        """Write the next block's ``(rows, dim)`` embeddings (a tensor, or an array such as
+        a JAX encoder's NumPy embeddings)."""
+        emb = torch.as_tensor(emb)
         if self.dim is None:
             self.dim = emb.shape[1]
         self._file.write(emb.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())

@@ -202,8 +202,9 @@ def _dense_embeddings(encoder: Any, corpus: Path, texts: list[str], batch_size: 
 
     doc_ids, doc_emb = embed_corpus(encoder, corpus, batch_size=batch_size, device=device,
                                     cache_dir=cache_dir, progress=progress)
-    query_emb = encoder.encode(texts, side="query", batch_size=batch_size, device=device,
-                               progress="embed queries" if progress else None)
+    query_emb = torch.as_tensor(encoder.encode(texts, side="query", batch_size=batch_size,
+                                               device=device,
+                                               progress="embed queries" if progress else None))
     d = doc_emb.float()  # no copy for the float32 (memory-mapped) corpus embeddings
     # queries per block: 256, or fewer so that one block's scores stay within 2**24 (64 MiB)
     block = min(256, max(1, 2 ** 24 // max(1, len(doc_ids))))

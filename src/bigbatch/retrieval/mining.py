@@ -183,9 +183,9 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
     doc_emb = torch.nn.functional.normalize(doc_emb.float(), dim=-1)
     row = {d: i for i, d in enumerate(doc_ids)}
     qids = list(queries)
-    q_emb = torch.nn.functional.normalize(encoder.encode(
+    q_emb = torch.nn.functional.normalize(torch.as_tensor(encoder.encode(
         [queries[q] for q in qids], "query", batch_size=options.batch_size, device=device,
-        progress="embed queries" if progress else None).float(), dim=-1)
+        progress="embed queries" if progress else None)).float(), dim=-1)
     index = _index(doc_emb, options.index)
     copies = _positive_copies(root / "corpus.jsonl", {d for rel in qrels.values() for d in rel})
     holding: dict[str, list[str]] = {}  # content key -> the ids holding it

@@ -59,7 +59,7 @@ from .swift import SWIFT_DOC_INSTRUCTION, SWIFT_QUERY_INSTRUCTION
 
 __all__ = ["Doc", "Record", "Problem", "Format", "FORMATS", "READ_ONLY_FORMATS", "read_records",
            "stream_records", "get_format",
-           "write_records", "detect_format", "format_of", "check_output",
+           "write_records", "detect_format", "format_of", "check_output", "no_records_problem",
            "SWIFT_QUERY_INSTRUCTION", "SWIFT_DOC_INSTRUCTION", "instruction_problems",
            "system_prompts"]
 
@@ -147,6 +147,12 @@ def _parts(path: Path, split: str) -> list[Path]:
     return shard_files(path, split) if is_shard_folder(path) else [path]
 
 
+def no_records_problem(path: str | Path, fmt: str) -> Problem:
+    """The problem of a source without a single record (and nothing else wrong with it)."""
+    return Problem(str(path), None, None, f"no records (read as {fmt}): nothing to train on; "
+                   f"give a file with at least one record")
+
+
 def stream_records(path: str | Path, fmt: str | None, split: str, problems: list[Problem]
                    ) -> Iterator[Record]:
     """The records of ``path`` (a file, a folder of shards, a ``datasets`` folder or a BEIR
@@ -166,8 +172,7 @@ def stream_records(path: str | Path, fmt: str | None, split: str, problems: list
             count += 1
             yield r
     if not count and len(problems) == before:
-        problems.append(Problem(str(path), None, None, f"no records (read as {fmt}): nothing "
-                                f"to train on; give a file with at least one record"))
+        problems.append(no_records_problem(path, fmt))
 
 
 def read_records(path: str | Path, fmt: str | None = None, split: str = "train"

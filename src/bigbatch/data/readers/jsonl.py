@@ -1,10 +1,12 @@
 """Reading JSONL files line by line with the line number, for every reader in bigbatch.data:
 each line's object or what is wrong with it (:func:`iter_jsonl`), the good lines with the
-bad ones as problems (:func:`jsonl_rows`), and the one rule for a text field
-(:func:`text_field`)."""
+bad ones as problems (:func:`jsonl_rows`; with where each line's bytes lie in the file,
+:func:`jsonl_spans`, which the training-record index is made from in the same read), and
+the one rule for a text field (:func:`text_field`)."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Iterator
@@ -14,7 +16,7 @@ from typing import IO, Any
 from ..records.types import Problem
 from .files import open_data_file
 
-__all__ = ["iter_jsonl", "open_jsonl", "LineProblem", "jsonl_rows", "text_field"]
+__all__ = ["iter_jsonl", "open_jsonl", "LineProblem", "jsonl_rows", "jsonl_spans", "text_field"]
 
 # a JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way one gets into a string,
 # since the file itself is decoded as strict UTF-8
@@ -59,6 +61,53 @@ def open_jsonl(path: str | Path) -> IO[str]:
     return open_data_file(path, encoding="utf-8-sig", errors="surrogateescape")
 
 
+def _parsed_lines(path: str | Path
+                  ) -> Iterator[tuple[int, dict[str, Any] | None, LineProblem | None, int, int]]:
+    """:func:`iter_jsonl`'s ``(line number, object, problem)`` with the byte offsets where the
+    line starts and where the next one does, counted as the file is read: lines end as
+    Python's text files end them (``\\n``, ``\\r\\n`` or a lone ``\\r``), kept as they
+    are to count them and then read as text mode reads them."""
+    with open_data_file(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+        end, mark = 0, len(codecs.BOM_UTF8) if f.buffer.peek(3)[:3] == codecs.BOM_UTF8 else 0
+        for n, line in enumerate(f, 1):
+            # undecodable bytes come back from their escapes, so every byte is counted
+            start, end = end, end + mark + (len(line) if line.isascii() else
+                                            len(line.encode("utf-8", "surrogateescape")))
+            mark = 0
+            if line.endswith("\r"):
+                line = line[:-1] + "\n"
+            elif line.endswith("\r\n"):
+                line = line[:-2] + "\n"
+            if line.startswith("\ufeff"):  # files concatenated with their marks
+                line = line[1:]
+            if not line.strip():
+                continue
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError as e:  # an undecodable byte, kept as a surrogate escape
+                yield n, None, LineProblem(
+                    f"not UTF-8 text (byte 0x{ord(line[e.start]) - 0xDC00:02x} at column "
+                    f"{e.start + 1}); re-encode the file as UTF-8"), start, end
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield (n, None, LineProblem(f"malformed JSON at column {e.colno} ({e.msg})"),
+                       start, end)
+                continue
+            if not isinstance(rec, dict):
+                yield n, None, LineProblem("expected a JSON object"), start, end
+                continue
+            if _SURROGATE_ESCAPE.search(line):
+                found = _not_unicode(rec)
+                if found is not None:
+                    yield n, None, LineProblem(
+                        f"holds an unpaired UTF-16 surrogate ({found[1]!r}), which is not valid "
+                        f"Unicode text; fix or remove it", field=found[0] or None), start, end
+                    continue
+            yield n, rec, None, start, end
+
+
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, LineProblem | None]]:
     """Yield ``(line number, object, None)`` for each non-empty line holding a JSON object, and
     ``(line number, None, problem)`` for one that does not (malformed JSON, not a JSON
@@ -69,44 +118,25 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, L
         DataError: naming the file, when it cannot be opened or is not a regular file (a
             FIFO, a device: :func:`~bigbatch.data.readers.files.open_regular`).
     """
-    with open_jsonl(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.startswith("\ufeff"):  # files concatenated with their marks
-                line = line[1:]
-            if not line.strip():
-                continue
-            try:
-                line.encode("utf-8")
-            except UnicodeEncodeError as e:  # an undecodable byte, kept as a surrogate escape
-                yield n, None, LineProblem(
-                    f"not UTF-8 text (byte 0x{ord(line[e.start]) - 0xDC00:02x} at column "
-                    f"{e.start + 1}); re-encode the file as UTF-8")
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield n, None, LineProblem(f"malformed JSON at column {e.colno} ({e.msg})")
-                continue
-            if not isinstance(rec, dict):
-                yield n, None, LineProblem("expected a JSON object")
-                continue
-            if _SURROGATE_ESCAPE.search(line):
-                found = _not_unicode(rec)
-                if found is not None:
-                    yield n, None, LineProblem(
-                        f"holds an unpaired UTF-16 surrogate ({found[1]!r}), which is not valid "
-                        f"Unicode text; fix or remove it", field=found[0] or None)
-                    continue
-            yield n, rec, None
+    for n, rec, problem, _, _ in _parsed_lines(path):
+        yield n, rec, problem
+
+
+def jsonl_spans(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict, int, int]]:
+    """(line number, object, start, end) of each good line of a JSONL file, ``start`` and
+    ``end`` the byte offsets of the line and of the next (the line's bytes are
+    ``file[start:end]``); a bad line is a problem."""
+    for n, rec, problem, start, end in _parsed_lines(path):
+        if problem is not None:
+            problems.append(Problem(str(path), n, problem.field, str(problem)))
+        else:
+            yield n, rec, start, end
 
 
 def jsonl_rows(path: Path, problems: list[Problem]) -> Iterator[tuple[int, dict]]:
     """(line number, object) of each good line of a JSONL file; a bad line is a problem."""
-    for n, rec, problem in iter_jsonl(path):
-        if problem is not None:
-            problems.append(Problem(str(path), n, problem.field, str(problem)))
-        else:
-            yield n, rec
+    for n, rec, _, _ in jsonl_spans(path, problems):
+        yield n, rec
 
 
 def text_field(rec: dict, key: str, where: tuple[str, int], problems: list[Problem],

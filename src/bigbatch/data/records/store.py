@@ -8,12 +8,13 @@ a ``Sequence`` of :class:`~bigbatch.data.records.types.TrainRecord`): no record 
 object.
 
 - JSONL files, and folders of JSONL shards (:mod:`bigbatch.data.readers.shards`): the byte offset
-  of each record's line, kept as NumPy arrays that are memory-mapped when read.
+  of each record's line, counted by the read that validates it (each file is read once),
+  kept as NumPy arrays that are memory-mapped when read.
 - ``datasets`` folders (``save_to_disk``: Arrow IPC files): memory-mapped as they are, a
   record being a row.
 - Parquet files and folders of Parquet shards: Parquet is compressed and cannot be read by
   row cheaply, so each file is written once, uncompressed, as an Arrow IPC file in the
-  index, and memory-mapped.
+  index (a second read of the file, after the one that validates it), and memory-mapped.
 - BEIR directories and CSV files are read whole
 (:func:`~bigbatch.data.records.loader.load_records`).
 
@@ -43,20 +44,20 @@ from typing import Any, overload
 import numpy as np
 
 from ...errors import DataError
-from ..formats import format_of, get_format, stream_records
+from ..formats import format_of, get_format, no_records_problem, stream_records
 from ..formats.common import Format
 from ..formats.instructions import SystemCounts
+from ..readers.jsonl import jsonl_spans
 from ..readers.shards import is_shard_folder, shard_files
 from ..readers.tables import hf_dataset_files, is_hf_dataset
 from .loader import RecordSummary, load_records, raise_problems, short_negatives_error, train_record
-from .types import Problem, TrainRecord, problem_lines
+from .types import Problem, Record, TrainRecord, problem_lines
 
 __all__ = ["open_records", "RecordStore", "index_folder", "INDEX_VERSION"]
 
 INDEX_VERSION = 1
 _HEAD, _TAIL = 2**20, 2**16  # bytes of a file hashed into its signature
 _ARRAYS = ("part", "line", "pos", "end", "negs")  # per record, each a .npy file
-_CHUNK = 2**26  # bytes scanned at a time for line breaks
 
 
 def _default_cache() -> Path:
@@ -83,29 +84,6 @@ def _part_signature(path: Path, split: str) -> dict[str, Any]:
     if path.is_dir():
         return {"path": str(path), "files": [_signature(f) for f in hf_dataset_files(path, split)]}
     return _signature(path)
-
-
-def _line_starts(path: Path) -> np.ndarray:
-    """The byte offset where each line of a file starts (line n at ``[n - 1]``), lines ended
-    as Python's text files end them: ``\\n``, ``\\r\\n`` or a lone ``\\r``."""
-    breaks = []
-    offset, pending_cr = 0, -1
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            a = np.frombuffer(chunk, np.uint8)
-            if pending_cr >= 0 and a[0] != 10:  # a \r that ended the previous chunk
-                breaks.append(np.array([pending_cr], np.int64))
-            pending_cr = -1
-            cr = np.flatnonzero(a == 13)
-            if len(cr) and cr[-1] == len(a) - 1:
-                pending_cr, cr = offset + int(cr[-1]), cr[:-1]
-            lone = cr[a[cr + 1] != 10]
-            breaks.append(np.sort(np.concatenate([np.flatnonzero(a == 10), lone])) + offset)
-            offset += len(a)
-    if pending_cr >= 0:
-        breaks.append(np.array([pending_cr], np.int64))
-    starts = np.concatenate([np.zeros(1, np.int64), *(b.astype(np.int64) + 1 for b in breaks)])
-    return starts[starts < offset] if offset else starts[:0]
 
 
 def _parts(source: Path, split: str) -> tuple[str, list[Path]] | None:
@@ -296,6 +274,29 @@ def _settings(source: Path, split: str, fmt: str, kind: str,
             "data_root": os.path.realpath(data_root) if data_root else None}
 
 
+def _indexed_records(source: Path, fmt: str, kind: str, files: list[Path], split: str,
+                     problems: list[Problem]) -> Iterator[tuple[int, Record, int, int]]:
+    """(file, record, pos, end) of each record of ``source``, as
+    :func:`~bigbatch.data.formats.stream_records` reads them: a JSONL line's byte offsets
+    (``end`` the next line's), counted by the read that parses it, so each file is read
+    once; a table's row (``pos`` and ``end`` both)."""
+    if kind != "jsonl":
+        where = {str(f): i for i, f in enumerate(files)}
+        for r in stream_records(source, fmt, split, problems):
+            yield where[r.source], r, r.line - 1, r.line - 1
+        return
+    parse = get_format(fmt).parse  # every format of JSONL records parses one line alone
+    before, count = len(problems), 0
+    for i, part in enumerate(files):
+        for n, row, pos, end in jsonl_spans(part, problems):
+            r = parse(row, part, n, problems)
+            if r is not None:
+                count += 1
+                yield i, r, pos, end
+    if not count and len(problems) == before:
+        problems.append(no_records_problem(source, fmt))
+
+
 def _build(source: Path, split: str, fmt: str, kind: str, files: list[Path],
            data_root: str | Path | None, folder: Path) -> None:
     """Validate ``source`` in one streaming pass (every problem raised as
@@ -306,12 +307,10 @@ def _build(source: Path, split: str, fmt: str, kind: str, files: list[Path],
     tmp.mkdir(parents=True)
     try:
         signatures = [_part_signature(f, split) for f in files]
-        where = {str(f): i for i, f in enumerate(files)}
         cols: dict[str, list[np.ndarray]] = {k: [] for k in _ARRAYS}
         block: dict[str, list[int]] = {k: [] for k in _ARRAYS}
         problems: list[Problem] = []
         counts, summary = SystemCounts(), RecordSummary()
-        starts: tuple[int, np.ndarray, int] = (-1, np.zeros(0, np.int64), 0)
 
         def flush() -> None:
             for k in _ARRAYS:
@@ -319,20 +318,13 @@ def _build(source: Path, split: str, fmt: str, kind: str, files: list[Path],
                 block[k].clear()
 
         total = 0
-        for r in stream_records(source, fmt, split, problems):
+        for i, r, pos, end in _indexed_records(source, fmt, kind, files, split, problems):
             counts.add(r)
             problems.extend(SystemCounts.document_problems(r))  # needs the record alone
             t = train_record(r, problems, data_root)
             if t is None:
                 continue
             summary.add(t)
-            i = where[r.source]
-            pos = end = r.line - 1  # a table's row
-            if kind == "jsonl":
-                if starts[0] != i:  # the line starts of one file at a time
-                    starts = (i, _line_starts(files[i]), signatures[i]["size"])
-                pos = int(starts[1][r.line - 1])
-                end = int(starts[1][r.line]) if r.line < len(starts[1]) else starts[2]
             for k, v in zip(_ARRAYS, (i, r.line, pos, end, len(t.negatives))):
                 block[k].append(v)
             total += 1

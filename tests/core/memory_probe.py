@@ -1,9 +1,9 @@
 """Run one GradCache step in this process and print, as JSON, the growth of its resident
 high-water mark over the step and bigbatch.train.memory_estimate's estimate (run by
-tests/core/test_memory.py
-in a subprocess per configuration, so that each step has a fresh high-water mark).
+tests/core/test_memory.py in a subprocess per configuration, so that each step has a fresh
+high-water mark).
 
-    python tests/memory_probe.py BATCH --k K --chunk C --dim D [--ids] [--dense] [--sort]
+    python tests/core/memory_probe.py BATCH --k K --chunk C --dim D [--ids] [--dense] [--sort]
 
 Prints {"skipped": reason} where the high-water mark cannot be reset (not Linux)."""
 

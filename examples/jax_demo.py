@@ -2,15 +2,18 @@
 :mod:`bigbatch.jax.bert`) on SciFact with the cached step and Optax AdamW, and print the
 base and fine-tuned retrieval metrics as ``make demo`` does.
 
-The settings are ``make demo``'s (``configs/demo_scifact.yaml``): batch 128 in chunks of 32,
-2 epochs, AdamW at 5e-5 with weight decay 0.01 (the temperature at 1e-3, without decay),
-2 warmup steps then cosine decay, temperature 0.05 learnable, max length 256, seed 42.
-The batches are bigbatch's (:class:`bigbatch.data.batches.EpochBatches` over
-:func:`bigbatch.data.readers.beir_dir.beir_training_records`), a duplicate passage masked by its
-content id; the metrics are :func:`bigbatch.retrieval.evaluate.evaluate_beir`'s on the model wrapped
-as :class:`bigbatch.jax.encode.FlaxTextEncoder`.
+The settings are ``make demo``'s, read from its ``configs/demo_scifact.yaml`` (``--config``
+for another file; a flag overrides one setting): the batch and its chunks, the epochs, AdamW's
+learning rates and weight decay (the temperature's without decay), the warmup then cosine
+decay, the learnable temperature, the max length, the seed. The batches are bigbatch's
+(:class:`bigbatch.data.batches.EpochBatches` over
+:func:`bigbatch.data.readers.beir_dir.beir_training_records`), a duplicate passage masked by
+its content id; the metrics are :func:`bigbatch.retrieval.evaluate.evaluate_beir`'s on the
+model wrapped as :class:`bigbatch.jax.encode.FlaxTextEncoder`. Both are PyTorch bigbatch, so
+the two demos train on the same batches and are scored by the same code; ``bigbatch.jax``
+itself imports no torch.
 
-    python -m bigbatch.jax.demo --model PATH --data ../shared/data/scifact
+    python examples/jax_demo.py --model PATH --data ../shared/data/scifact
 """
 
 from __future__ import annotations
@@ -21,7 +24,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "train", "lr_schedule"]
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_scifact.yaml"
+
+# the settings read from the YAML file: key (flag: --key-with-dashes) -> type, help
+SETTINGS: dict[str, tuple[type, str]] = {
+    "train_split": (str, "qrels split to train on"),
+    "eval_split": (str, "qrels split to evaluate on"),
+    "batch_size": (int, "queries per step"),
+    "grad_cache_chunk": (int, "rows embedded at once"),
+    "epochs": (int, "passes over the training pairs"),
+    "lr": (float, "peak learning rate of the model"),
+    "logit_scale_lr": (float, "learning rate of the temperature"),
+    "weight_decay": (float, "AdamW weight decay"),
+    "scheduler": (str, "learning-rate schedule (the demo runs cosine)"),
+    "warmup_steps": (int, "linear warmup steps"),
+    "temperature": (float, "initial temperature (learnable)"),
+    "max_length": (int, "tokens per text"),
+    "eval_batch_size": (int, "texts per evaluation batch"),
+    "seed": (int, "data order and dropout"),
+}
 
 
 def lr_schedule(peak: float, warmup_steps: int, total_steps: int) -> Any:
@@ -39,32 +60,59 @@ def lr_schedule(peak: float, warmup_steps: int, total_steps: int) -> Any:
     return schedule
 
 
-def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bigbatch.jax.demo",
+def read_settings(path: str | Path) -> dict[str, Any]:
+    """The :data:`SETTINGS` of a ``bigbatch train`` YAML file (its other keys are left).
+
+    Raises:
+        ConfigError: a setting missing, of the wrong type, or a schedule other than cosine.
+    """
+    import yaml
+
+    from bigbatch.errors import ConfigError
+
+    values = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    missing = [k for k in SETTINGS if k not in values]
+    if missing:
+        raise ConfigError(f"{path}: the JAX demo reads {', '.join(missing)} from this file; "
+                          f"add them")
+    out = {}
+    for key, (kind, _) in SETTINGS.items():
+        value = values[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ConfigError(f"{path}: {key} must be {kind.__name__}, got {value!r}")
+        out[key] = value
+    if out["scheduler"] != "cosine":
+        raise ConfigError(f"{path}: scheduler {out['scheduler']!r}: the JAX demo runs the "
+                          f"cosine schedule")
+    return out
+
+
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, each setting's default read from ``--config``."""
+    ap = argparse.ArgumentParser(prog="python examples/jax_demo.py",
                                  description="Fine-tune a BERT sentence encoder in JAX on a BEIR "
                                              "data set with the cached step; print the base and "
-                                             "fine-tuned metrics.")
+                                             "fine-tuned metrics. Settings default to the "
+                                             "--config file's.")
     ap.add_argument("--model", required=True, help="a BERT folder (config.json, model.safetensors, "
                                                    "tokenizer), e.g. all-MiniLM-L6-v2")
     ap.add_argument("--data", required=True, help="a BEIR folder (corpus.jsonl, queries.jsonl, "
                                                   "qrels/)")
-    ap.add_argument("--train-split", default="train", help="qrels split to train on")
-    ap.add_argument("--eval-split", default="test", help="qrels split to evaluate on")
-    ap.add_argument("--batch-size", type=int, default=128, help="queries per step")
-    ap.add_argument("--chunk", type=int, default=32, help="rows embedded at once")
-    ap.add_argument("--epochs", type=int, default=2, help="passes over the training pairs")
-    ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps "
-                                                              "(0: the epochs' steps)")
-    ap.add_argument("--lr", type=float, default=5e-5, help="peak learning rate of the model")
-    ap.add_argument("--logit-scale-lr", type=float, default=1e-3,
-                    help="learning rate of the temperature")
-    ap.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-    ap.add_argument("--warmup-steps", type=int, default=2, help="linear warmup steps")
-    ap.add_argument("--temperature", type=float, default=0.05, help="initial temperature")
-    ap.add_argument("--max-length", type=int, default=256, help="tokens per text")
-    ap.add_argument("--eval-batch-size", type=int, default=64, help="texts per evaluation batch")
-    ap.add_argument("--seed", type=int, default=42, help="data order and dropout")
-    return ap.parse_args(argv)
+    ap.add_argument("--config", default=str(CONFIG),
+                    help="the bigbatch train YAML file the settings are read from "
+                         "(default: make demo's configs/demo_scifact.yaml)")
+    ap.add_argument("--max-steps", type=int, default=0,
+                    help="stop after this many steps (default 0: the epochs' steps)")
+    for key, (kind, text) in SETTINGS.items():
+        ap.add_argument(f"--{key.replace('_', '-')}", dest=key, type=kind, default=None,
+                        help=f"{text} (default: the --config file's {key})")
+    args = ap.parse_args(argv)
+    for key, value in read_settings(args.config).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,13 +122,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     import optax
 
-    from ..data.batches import EpochBatches
-    from ..data.readers.beir_dir import beir_training_records
-    from ..retrieval.evaluate import evaluate_beir
-    from .bert import bert_embed_fn, load_bert
-    from .encode import FlaxTextEncoder
-    from .losses import InfoNCE, id_codes
-    from .step import cached_value_and_grad
+    from bigbatch.data.batches import EpochBatches
+    from bigbatch.data.readers.beir_dir import beir_training_records
+    from bigbatch.jax.bert import bert_embed_fn, load_bert
+    from bigbatch.jax.encode import FlaxTextEncoder
+    from bigbatch.jax.losses import InfoNCE, id_codes
+    from bigbatch.jax.step import cached_value_and_grad
+    from bigbatch.retrieval.evaluate import evaluate_beir
 
     t0 = time.time()
     records = beir_training_records(args.data, args.train_split)
@@ -106,7 +154,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
          "scale": optax.adam(lr_schedule(args.logit_scale_lr, args.warmup_steps, total))},
         labels)
     state = optimizer.init(params)
-    step = cached_value_and_grad(bert_embed_fn(model), loss, args.chunk)
+    step = cached_value_and_grad(bert_embed_fn(model), loss, args.grad_cache_chunk)
 
     @jax.jit
     def update(params: Any, state: Any, batch: Any, key: Any, ids: Any) -> tuple:
@@ -145,7 +193,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def print_table(result: dict[str, Any]) -> None:
     """The base and fine-tuned rows (``bigbatch eval``'s table, with the unseen-document
     queries' rows) and the wall time."""
-    from ..retrieval.report import format_eval_table
+    from bigbatch.retrieval.report import format_eval_table
 
     print("\n" + format_eval_table([{"model": "base", "metrics": result["base"]},
                                     {"model": "fine-tuned", "metrics": result["final"]}]))
@@ -153,14 +201,13 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _arguments(argv)
+    args = arguments(argv)
     if not Path(args.data).is_dir():
-        from ..errors import DataError
+        from bigbatch.errors import DataError
 
         raise DataError("--data must be a BEIR folder (corpus.jsonl, queries.jsonl, qrels/)",
                         path=args.data)
-    result = train(args)
-    print_table(result)
+    print_table(train(args))
     return 0
 
 
