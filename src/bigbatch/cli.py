@@ -24,7 +24,7 @@ from .data.formats import (
     Problem,
     Record,
 )
-from .encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
+from .encoders.instructions import DOC_INSTRUCTION, QUERY_INSTRUCTION
 from .errors import BigBatchError, ConfigError
 from .retrieval.report import format_eval_table, print_summary
 
