@@ -12,7 +12,8 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Iterator, Sequence
+import typing
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,193 +25,10 @@ from .data.formats import (
     Problem,
     Record,
 )
-from .encoders.instructions import DOC_INSTRUCTION, QUERY_INSTRUCTION
 from .errors import BigBatchError, ConfigError
 from .retrieval.report import format_eval_table, print_summary
 
 __all__ = ["main", "build_parser"]
-
-_HELP = {
-    "model": "required: transformers model path or name (e.g. the all-MiniLM-L6-v2 folder)",
-    "train_data": "required: JSONL records (query, positive|chunk_path, negatives|neg_chunk_paths), a "
-                  "swift or st (JSONL or .parquet) file (detected), or a BEIR directory; "
-                  "several sources: repeat the flag or give a comma list (every batch is "
-                  "drawn from one source; in YAML a list whose entries may set name, weight, "
-                  "query_instruction/doc_instruction or prefixes, num_hard_negatives, "
-                  "in_batch_negatives, max_records: see docs/guides/multi-dataset.md)",
-    "mix_temperature": "several --train-data sources without weights: draw each step's "
-                       "source with probability proportional to size ** (1 / this); 1: by "
-                       "size, larger: closer to uniform (small sources up-sampled)",
-    "exclude_instruction_from_pooling": "leave the query/document prefix's tokens out of mean "
-                                        "pooling (GritLM, INSTRUCTOR): the model attends to "
-                                        "the instruction, the embedding averages the text",
-    "train_split": "qrels split used as training pairs when --train-data is a BEIR directory",
-    "eval_data": "BEIR directory evaluated with full-corpus retrieval; several: repeat the "
-                 "flag or give a comma list (each reported as <name>/<metric>, their mean "
-                 "selects best/; each embedded with the prompts of the training source of "
-                 "the same name) (default: none, no evaluation)",
-    "eval_split": "qrels split to evaluate on",
-    "output_dir": "where checkpoints, best/, final/, metrics.jsonl and the plot go: a new or "
-                  "empty folder (a folder holding another run or other files is refused: "
-                  "see --resume and --overwrite)",
-    "batch_size": "queries per process per step (global batch = this x processes)",
-    "grad_cache_chunk": "rows embedded at once (memory = this x per-example cost)",
-    "lr": "peak learning rate (AdamW)",
-    "logit_scale_lr": "learning rate of the temperature (default: --lr)",
-    "scheduler": "cosine or constant, after linear warmup",
-    "max_steps": "optimizer steps (ignored when --epochs is given)",
-    "epochs": "train this many epochs instead of --max-steps (default: none, --max-steps "
-              "decides)",
-    "temperature": "initial temperature (learnable unless --fixed-temperature)",
-    "num_hard_negatives": "hard negatives per query (sampled per epoch when a record has more)",
-    "query_prefix": "text before each query (default: what a sentence-transformers model "
-                    "folder says, else none)",
-    "doc_prefix": "text before each document (default: what a sentence-transformers model "
-                  "folder says, else none)",
-    "weight_decay": "AdamW weight decay of the model's parameters (not the temperature's)",
-    "warmup_steps": "steps of linear warmup from 0 to --lr",
-    "fixed_temperature": "keep the temperature fixed instead of learning it",
-    "symmetric": "add the document-to-query direction to the loss",
-    "loss_block_size": "query rows per block of the streamed loss (default: automatic, at most "
-                       "2**22 logits a block, so the batch x documents logits never exist at "
-                       "once; 0: the dense loss, all logits at once)",
-    "matryoshka_dims": "Matryoshka: train every one of these embedding widths, largest first "
-                       "(e.g. 384,256,128,64: each a prefix of the embedding, normalised "
-                       "again; one replay for all); final/ records them, and "
-                       "SentenceTransformer(path, truncate_dim=128) uses one (default: off)",
-    "matryoshka_weights": "Matryoshka: one weight per width of --matryoshka-dims (default: "
-                          "all 1)",
-    "extra_negatives": "qq, dd or qq,dd: add the other queries (qq) and the positive's "
-                       "similarities to the other documents (dd) to each query's softmax "
-                       "denominator, as Qwen3-Embedding trains (default: none)",
-    "grad_cache_tokens": "padded tokens per GradCache chunk at most: a chunk holds as many "
-                         "texts as fit (longest first), so mixed short and long texts keep "
-                         "one chunk's memory bounded; --grad-cache-chunk still caps the rows "
-                         "(default: off, rows only)",
-    "lora_dropout": "dropout on the LoRA adapter's input",
-    "max_length": "tokens per text at most (cut to the model's positions when it has fewer)",
-    "gradient_checkpointing": "recompute activations in the backward pass (less memory)",
-    "eval_batch_size": "texts embedded at once in evaluation",
-    "eval_at_start": "evaluate the model before training (the base row of the result table)",
-    "seed": "seed of the data order, initialisation and dropout",
-    "log_steps": "write metrics.jsonl / TensorBoard every N steps",
-    "lora_r": "LoRA rank; 0 means full fine-tuning",
-    "lora_alpha": "LoRA alpha; 0 means full fine-tuning",
-    "lora_target_modules": "comma-separated module names (default: per architecture)",
-    "merge_lora": "merge the LoRA adapter into the base weights in final/",
-    "max_grad_norm": "clip the gradient norm over model and logit scale (0: off)",
-    "eval_steps": "evaluate every N steps (0: only at start and end)",
-    "save_steps": "checkpoint every N steps (0: only at the end)",
-    "save_total_limit": "keep this many newest checkpoints (plus best/)",
-    "best_metric": "metric that selects best/ (e.g. ndcg@10, unseen/ndcg@10)",
-    "resume": "checkpoint directory (or output directory: its latest checkpoint) to resume "
-              "(default: none, a new run)",
-    "overwrite": "start a new run in an --output-dir that holds another run or other files: "
-                 "move what it holds into <output-dir>/previous-<timestamp>/ first (nothing "
-                 "is deleted)",
-    "dtype": "autocast dtype for the encoder: float32, bfloat16 or float16",
-    "device": "cpu, cuda, cuda:1 ... (default: cuda:LOCAL_RANK when available, else cpu)",
-    "dist_timeout": "seconds before a stuck collective fails (torchrun)",
-    "query_max_length": "truncation of queries in training steps (default: --max-length); "
-                        "evaluation and the saved model use --max-length for queries too",
-    "query_grad_cache_chunk": "rows per GradCache chunk for the query tower (default: "
-                              "--grad-cache-chunk); text queries are cheaper than page images",
-    "encoder": "auto (vision-language for Qwen2-VL/2.5-VL/3-VL, else text), text, "
-               "vision-language",
-    "query_instruction": f"vision-language: system instruction of queries (default: "
-                         f"Qwen3-VL-Embedding's, {QUERY_INSTRUCTION!r})",
-    "doc_instruction": f"vision-language: system instruction of documents (default: "
-                       f"Qwen3-VL-Embedding's, {DOC_INSTRUCTION!r})",
-    "max_num_visual_tokens": "vision-language: visual tokens per image at most (pixel budget = "
-                             "this x 784 for Qwen2/2.5-VL, x 1024 for Qwen3-VL)",
-    "min_num_visual_tokens": "vision-language: visual tokens per image at least",
-    "freeze_vision": "vision-language: keep the vision tower frozen",
-    "mode": "standard (both towers train) or query-side-tune (documents by the frozen base "
-            "weights)",
-    "query_side_backward": "query-side-tune: direct (one backward over the batch's queries) or "
-                           "gradcache (chunked, cached)",
-    "doc_negatives": "query-side-tune: batch (the batch's documents) or corpus (every document, "
-                     "embedded once)",
-    "data_root": "refuse files named by the data (chunk_path, image paths) that resolve "
-                 "outside this folder (default: any file you can read)",
-    "pooling": "mean, cls, last (one vector per text), or multivector (one per token, "
-               "ColBERT / PyLate for text models, ColQwen for Qwen-VL page retrievers: "
-               "MaxSim loss and retrieval)",
-    "multivector_dim": "multivector: width of the token vectors (a linear projection)",
-    "deepspeed": "a DeepSpeed JSON configuration: train under ZeRO stage 1 or 2, the chunks' "
-                 "gradients reduced once per step (no optimizer, scheduler, fp16 or bf16 "
-                 "section: bigbatch sets them; see docs/guides/deepspeed-and-reporting.md) "
-                 "(default: none, plain torch)",
-    "report_to": "where metrics go besides metrics.jsonl: comma-separated tensorboard, wandb "
-                 "(offline with WANDB_MODE=offline), or none (default: tensorboard, when the "
-                 "tensorboard package is installed)",
-    "push_to_hub": "upload final/ (with its model card README.md) to this Hugging Face Hub "
-                   "repository (namespace/name) at the end of the run (default: none)",
-    "query_length": "multivector: pad queries with mask tokens to this many tokens and cut "
-                    "them there (ColBERT's query augmentation; 0: off)",
-    "guide_model": "guided false-negative filtering (GISTEmbed): a frozen guide model folder, "
-                   "or 'self' for the model's own starting weights; it embeds each batch once "
-                   "and a negative it scores above the positive is left out of the loss "
-                   "(default: none)",
-    "guide_margin": "with --guide-model: mask a negative whose guide similarity exceeds the "
-                    "positive's minus this (absolute) or times 1 - this (relative); larger "
-                    "masks more",
-    "guide_margin_type": "with --guide-model: absolute or relative",
-    "distill": "add a distillation term against the records' teacher scores (pos_score, "
-               "neg_scores): kl (student vs teacher softmax over the positive and its hard "
-               "negatives) or margin-mse (default: none)",
-    "distill_weight": "with --distill: loss = InfoNCE + this x distillation",
-    "teacher_temperature": "with --distill kl: temperature of the teacher softmax (default: "
-                           "--temperature, right for a bi-encoder's cosine scores; use 1 for "
-                           "cross-encoder logits)",
-}
-
-
-def _add_train_flags(p: argparse.ArgumentParser) -> None:
-    from .train.config import TrainConfig
-
-    p.add_argument("--config", default=None, help="YAML file of options; flags override it; "
-                   "relative paths in it are read from the YAML file's folder (on the command "
-                   "line, from the working directory)")
-    for f in dataclasses.fields(TrainConfig):
-        if f.name == "extra":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        help_ = _HELP.get(f.name, "")
-        typ = str(f.type)
-        if f.name in ("train_data", "eval_data"):  # repeatable, each a path or a comma list
-            p.add_argument(flag, action="extend", default=argparse.SUPPRESS, help=help_,
-                           type=lambda s: [v.strip() for v in s.split(",") if v.strip()])
-        elif typ == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=f"{help_} (default {'on' if f.default else 'off'})".strip())
-        elif "list[int]" in typ or "list[float]" in typ:
-            p.add_argument(flag, type=_number_list(int if "list[int]" in typ else float, flag),
-                           default=argparse.SUPPRESS, help=help_)
-        elif "list" in typ:
-            p.add_argument(flag, type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
-                           default=argparse.SUPPRESS, help=help_)
-        else:
-            conv = int if typ.startswith("int") else float if typ.startswith("float") else str
-            default = f.default if f.default is not dataclasses.MISSING else None
-            # a help that states its default, or a required option, gets no "(default ...)"
-            if "(default:" not in help_ and not help_.startswith("required"):
-                help_ = f"{help_} (default {default})" if help_ else f"(default {default})"
-            p.add_argument(flag, type=conv, default=argparse.SUPPRESS, help=help_)
-
-
-def _number_list(kind: type, flag: str) -> Any:
-    """An argparse type: a comma-separated list of ``kind`` (int or float)."""
-    from .train.config import number_list
-
-    def parse(text: str) -> list:
-        try:
-            return number_list(text, kind, flag)
-        except ConfigError as e:
-            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag}: ")) from None
-
-    return parse
-
 
 class _DefaultsFormatter(argparse.HelpFormatter):
     """Help that ends each option with its default, unless the help states it itself
@@ -226,25 +44,98 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return f"{help_} (default: %(default)s)"
 
 
+def _argparse_type(parse: Callable[[str], Any], flag: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``parse(text)``, its :class:`ConfigError` an argparse error
+    ("argument --batch-size: must be an integer, got 'x'")."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(flag).lstrip(": ")) from None
+
+    return convert
+
+
+def _field(name: str) -> Any:
+    from .train.config import TrainConfig
+
+    return next(f for f in dataclasses.fields(TrainConfig) if f.name == name)
+
+
+def _field_help(f: Any) -> str:
+    """A field's help as its flag shows it, ending with its default (unless the help states
+    it or the option is required)."""
+    from .train.config import option_type
+
+    help_, kinds = f.metadata["help"], option_type(f.name)
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if f.metadata["from_model_folder"]:
+        shown = f.metadata["default_text"] or ("none" if default in ("", None) else default)
+        return f"{help_} (default: what the model folder says, else {shown})"
+    if kinds == (bool,):
+        return f"{help_} (default {'on' if default else 'off'})"
+    if "(default:" in help_ or help_.startswith("required") or list in map(typing.get_origin, kinds):
+        return help_
+    return f"{help_} (default {default})"
+
+
+def _add_field_flag(p: Any, f: Any, flag: str | None = None, *, default: Any = argparse.SUPPRESS,
+                    refuse_choices: bool = False, help: str | None = None) -> None:
+    """The flag of the :class:`~bigbatch.train.TrainConfig` field ``f`` (``--`` and its name
+    with dashes, or ``flag``): its help, and its values read by
+    :func:`~bigbatch.train.config.parse_value`. Its choices are listed, and refused by argparse
+    with ``refuse_choices`` (else :meth:`~bigbatch.train.TrainConfig.validate` refuses them)."""
+    from .train.config import comma_list, option_type, parse_value
+
+    flag = flag or "--" + f.name.replace("_", "-")
+    help_ = help or _field_help(f)
+    choices = f.metadata["choices"]
+    if f.name in ("train_data", "eval_data"):  # repeatable, each a path or a comma list
+        p.add_argument(flag, action="extend", default=default, help=help_, type=comma_list)
+    elif option_type(f.name) == (bool,):
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+    else:
+        p.add_argument(flag, default=default, help=help_,
+                       type=_argparse_type(lambda text: parse_value(f.name, text, flag), flag),
+                       **({"choices": choices} if refuse_choices and choices else
+                          {"metavar": "{" + ",".join(choices) + "}"} if choices else {}))
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    from .train.config import SECTIONS, TrainConfig
+
+    p.add_argument("--config", default=None, help="YAML file of options; flags override it; "
+                   "relative paths in it are read from the YAML file's folder (on the command "
+                   "line, from the working directory)")
+    groups = {name: p.add_argument_group(f"{name} options", what)
+              for name, what in SECTIONS.items()}
+    for f in dataclasses.fields(TrainConfig):
+        _add_field_flag(groups[f.metadata["section"]], f)
+
+
+def _number_list(kind: type, flag: str) -> Any:
+    """An argparse type: a comma-separated list of ``kind`` (int or float)."""
+    from .train.config import number_list
+
+    return _argparse_type(lambda text: number_list(text, kind, flag), flag)
+
+
+def _encoder_fields() -> list[Any]:
+    """The options of how a model embeds that eval and mine take (left out: what the model
+    folder says): the model section's ``from_model_folder`` fields."""
+    from .train.config import TrainConfig
+
+    return [f for f in dataclasses.fields(TrainConfig) if f.metadata["from_model_folder"]]
+
+
 def _add_encoder_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--query-prefix", default=None, help="instruction before each query "
-                   "(default: what the model folder says, else none)")
-    p.add_argument("--doc-prefix", default=None, help="text before each document (default: "
-                   "what the model folder says, else none)")
-    p.add_argument("--pooling", choices=("mean", "cls", "last"), default=None,
-                   help="how token embeddings become one (default: what the model folder "
-                   "says, else mean)")
-    p.add_argument("--max-length", type=int, default=None, help="tokens per text at most "
-                   "(default: what the model folder says, else 256)")
-    p.add_argument("--query-instruction", default=None, help="vision-language models: system "
-                   "instruction of queries (default: what the model folder says)")
-    p.add_argument("--doc-instruction", default=None, help="vision-language models: system "
-                   "instruction of documents (default: what the model folder says)")
-    p.add_argument("--max-num-visual-tokens", type=int, default=None, help="vision-language "
-                   "models: visual tokens per page at most (default: the folder's, else 256)")
-    p.add_argument("--min-num-visual-tokens", type=int, default=None, help="vision-language "
-                   "models: visual tokens per page at least (default: the folder's, else 4)")
-    p.add_argument("--batch-size", type=int, default=64, help="texts embedded at once")
+    for f in _encoder_fields():
+        _add_field_flag(p, f, default=None, refuse_choices=True)
+    batch = _field("eval_batch_size")
+    _add_field_flag(p, batch, "--batch-size", default=batch.default, help=(
+        "texts embedded at once, queries and documents (what train's --eval-batch-size sets; "
+        "not train's --batch-size, the queries of a training step)"))
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if "
                    "present, else cpu)")
     p.add_argument("--cache-dir", default=None, help="corpus embedding cache (default: "
@@ -256,8 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bigbatch", description="Exact GradCache training "
                                      "of embedding models at batch sizes beyond memory.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_train_flags(sub.add_parser("train", help="fine-tune a bi-encoder with GradCache",
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    _add_train_flags(sub.add_parser("train", help="fine-tune a bi-encoder with GradCache"))
     va = sub.add_parser("validate", help="check training files; report every problem")
     va.add_argument("files", nargs="+", help="JSONL/Parquet/CSV files, datasets folders "
                     "(save_to_disk) or BEIR directories")
@@ -265,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default: detected")
     va.add_argument("--split", default="train", help="qrels split of BEIR directories, split "
                     "of a datasets DatasetDict folder")
-    va.add_argument("--data-root", default=None, help=_HELP["data_root"])
+    va.add_argument("--data-root", default=None, help=_field_help(_field("data_root")))
 
     co = sub.add_parser("convert", help="convert between contrastors, ms-swift, "
                         "sentence-transformers and BEIR formats; read colpali-engine / "
@@ -288,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="system message of swift queries")
     co.add_argument("--doc-instruction", default=SWIFT_DOC_INSTRUCTION,
                     help="system message of swift documents")
-    co.add_argument("--data-root", default=None, help=_HELP["data_root"])
+    co.add_argument("--data-root", default=None, help=_field_help(_field("data_root")))
 
     mi = sub.add_parser("mine", help="mine hard negatives with faiss, filtering false negatives",
                         formatter_class=_DefaultsFormatter)
@@ -494,11 +384,8 @@ def _cache_dir(args: argparse.Namespace):
 
 
 def _encoder_overrides(args: argparse.Namespace) -> dict:
-    return {"query_prefix": args.query_prefix, "doc_prefix": args.doc_prefix,
-            "pooling": args.pooling, "max_length": args.max_length,
-            "query_instruction": args.query_instruction, "doc_instruction": args.doc_instruction,
-            "max_num_visual_tokens": args.max_num_visual_tokens,
-            "min_num_visual_tokens": args.min_num_visual_tokens}
+    """The encoder options given to eval / mine (None: what the model folder says)."""
+    return {f.name: getattr(args, f.name) for f in _encoder_fields()}
 
 
 def _eval(args: argparse.Namespace) -> int:
