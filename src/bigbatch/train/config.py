@@ -67,11 +67,15 @@ def option(default: Any = None, *, section: str, help: str, choices: tuple[str, 
     return field(default=default, metadata=metadata)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """Every option of ``bigbatch train``; defaults follow Qwen3-VL-Embedding's GradCache
     training pipeline (``train_contrastors.py``). Each field's metadata holds its help, its
-    section and its choices (:func:`option`)."""
+    section and its choices (:func:`option`).
+
+    A config is never changed once made (another is ``dataclasses.replace(config, ...)``):
+    what a run derives from it, such as the chunk sizes GradCache uses, is decided where it is
+    used (:func:`bigbatch.train.build.build_cache`) and read from there."""
 
     model: str = option("", section="model", help=(
         "required: transformers model path or name (e.g. the all-MiniLM-L6-v2 folder)"))
@@ -270,7 +274,8 @@ class TrainConfig:
         "(namespace/name) at the end of the run (default: none)"))
 
     def validate(self) -> "TrainConfig":
-        """Raise :class:`ConfigError` naming the option for any impossible value."""
+        """Raise :class:`ConfigError` naming the option for any impossible value; returns the
+        config, marked valid (:meth:`checked`)."""
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"--{name.replace('_', '-')}: {why} (got {getattr(self, name)!r})")
 
@@ -355,7 +360,14 @@ class TrainConfig:
         self._validate_reporting(bad)
         if self.deepspeed:
             self._validate_deepspeed(bad)
+        object.__setattr__(self, "_valid", True)  # not a field: neither compared nor written
         return self
+
+    def checked(self) -> "TrainConfig":
+        """The config, validated unless it already was: :func:`load_config` validates, and
+        :func:`~bigbatch.train.train` then takes it as it is (validation, which reads the
+        model folder, the data sources and the DeepSpeed file, runs once per run)."""
+        return self if self.__dict__.get("_valid") else self.validate()
 
     def _validate_guide_and_distill(self, bad: Any) -> None:
         """The options of guided filtering (``--guide-model``) and distillation
