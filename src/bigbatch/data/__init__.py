@@ -4,6 +4,8 @@ batching with exact resume.
 The names are imported when first used, so the readers and formats (``bigbatch validate``,
 ``convert``, the command line's help) do not import torch."""
 
+from typing import TYPE_CHECKING
+
 from .._lazy import lazy_names
 
 __all__ = ["BeirData", "load_beir", "beir_training_records", "TrainRecord", "load_records",
@@ -15,3 +17,10 @@ __getattr__, __dir__ = lazy_names(__name__, {
     "load_jsonl_records": ".records.loader", "load_records": ".records.loader",
     "RecordStore": ".records.store", "open_records": ".records.store",
     "TrainRecord": ".records.types"})
+
+if TYPE_CHECKING:  # for type checkers, editors and the docs: the same names, imported eagerly
+    from .batches import EpochBatches
+    from .readers.beir_dir import BeirData, beir_training_records, load_beir
+    from .records.loader import load_jsonl_records, load_records
+    from .records.store import RecordStore, open_records
+    from .records.types import TrainRecord

@@ -8,6 +8,8 @@ Imports transformers and peft lazily, and the names here when first used, so ``i
 bigbatch`` and ``bigbatch.encoders.instructions`` stay light.
 """
 
+from typing import TYPE_CHECKING
+
 from .._lazy import lazy_names
 
 __all__ = ["EncoderBase", "TextEncoder", "MultiVectorTextEncoder", "VisionLanguageEncoder",
@@ -19,3 +21,11 @@ __getattr__, __dir__ = lazy_names(__name__, {
     "TextEncoder": ".text", "default_lora_targets": ".text",
     "MultiVectorTextEncoder": ".text_multivector", "VisionLanguageEncoder": ".vision",
     "is_vision_language_model": ".vision", "MultiVectorVisionEncoder": ".vision_multivector"})
+
+if TYPE_CHECKING:  # for type checkers, editors and the docs: the same names, imported eagerly
+    from .base import EncoderBase, FrozenDocTower
+    from .loading import load_encoder
+    from .text import TextEncoder, default_lora_targets
+    from .text_multivector import MultiVectorTextEncoder
+    from .vision import VisionLanguageEncoder, is_vision_language_model
+    from .vision_multivector import MultiVectorVisionEncoder
