@@ -15,7 +15,8 @@ from ..errors import ConfigError
 from ..losses import CorpusInfoNCE, InfoNCE
 from ..losses.matryoshka import Matryoshka, check_dims
 from ..losses.maxsim import MaxSimInfoNCE
-from .config import TrainConfig, model_positions
+from .config import TrainConfig
+from .model_defaults import model_positions
 
 __all__ = ["AUTOCAST_DTYPES", "device_for", "build_encoder", "build_loss", "build_optimizer",
            "build_cache", "build_deepspeed", "embedding_width", "check_matryoshka_width"]

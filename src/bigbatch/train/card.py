@@ -103,6 +103,23 @@ def _metric_table(rows: list[dict[str, Any]], columns: list[str], mark_step: int
     return "\n".join(lines)
 
 
+def _front_matter(num_records: int, loss_name: str, adapter: bool, base_id: str | None,
+                  metrics: list[str]) -> list[str]:
+    """The card's YAML metadata, as the Hub reads it: tags, base model, pipeline, metrics."""
+    tags = ["sentence-transformers", "sentence-similarity", "feature-extraction",
+            "bigbatch", "gradcache", "generated_from_trainer",
+            f"dataset_size:{num_records}", f"loss:{loss_name}"]
+    if adapter:
+        tags.append("peft")
+    front = ["---", "tags:", *[f"- {t}" for t in tags]]
+    if base_id:
+        front.append(f"base_model: {base_id}")
+    front += ["pipeline_tag: sentence-similarity", "library_name: sentence-transformers"]
+    if metrics:
+        front += ["metrics:", *[f"- {k}" for k in metrics]]
+    return [*front, "---"]
+
+
 def _chunks(chunk_sizes: Mapping[str, int]) -> tuple[str, dict[str, int]]:
     """The chunk sizes a run's GradCache used, as the card's text says them ("8", or "8 (4
     for queries)") and as its loss settings list them."""
@@ -165,19 +182,8 @@ def render_model_card(model_dir: str | Path, config: Any, state: dict[str, Any],
     skip = {"model", "train_data", "eval_data", "output_dir", "resume", "data_root", "device"}
     non_default = {k: v for k, v in settings.items() if k not in skip and v != defaults.get(k)}
 
-    tags = ["sentence-transformers", "sentence-similarity", "feature-extraction",
-            "bigbatch", "gradcache", "generated_from_trainer",
-            f"dataset_size:{num_records}", f"loss:{loss_name}"]
-    if adapter:
-        tags.append("peft")
-    front = ["---", "tags:", *[f"- {t}" for t in tags]]
-    if base_id:
-        front.append(f"base_model: {base_id}")
-    front += ["pipeline_tag: sentence-similarity", "library_name: sentence-transformers"]
-    if evals:
-        front += ["metrics:", *[f"- {k}" for k in _metric_columns(evals, config)]]
-    front.append("---")
-
+    front = _front_matter(num_records, loss_name, adapter, base_id,
+                          _metric_columns(evals, config) if evals else [])
     title = f"bigbatch {'best' if kind == 'best' else 'fine-tuned'} model: {Path(config.output_dir).name}"
     base_text = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{base}`"
     kind_text = (f"the best checkpoint by `{config.best_metric}` (step {step})" if kind == "best"

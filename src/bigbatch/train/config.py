@@ -1,5 +1,8 @@
 """Training configuration: defaults, a YAML file, and command-line flags, in that order of
-precedence (flags override the file, the file overrides defaults).
+precedence (flags override the file, the file overrides defaults). Each option is one
+field of :class:`TrainConfig`, with its help, section and choices; values are read by
+:mod:`bigbatch.train.option_values`, what a model folder says by
+:mod:`bigbatch.train.model_defaults`.
 
 Unknown keys, a key given twice and bad values (a number that is not finite, a device this
 machine does not have) raise :class:`bigbatch.errors.ConfigError` naming the key (and the
@@ -16,6 +19,7 @@ import math
 import os
 import types
 import typing
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +27,8 @@ from typing import Any
 
 from ..encoders.instructions import DOC_INSTRUCTION, QUERY_INSTRUCTION
 from ..errors import ConfigError
+from .model_defaults import model_defaults
+from .option_values import PATH_KEYS, comma_list, key_lines, number_list, parse_typed, resolve_path
 
 __all__ = ["TrainConfig", "load_config", "option", "parse_value", "SECTIONS", "DTYPES",
            "ENCODERS", "MODES", "POOLINGS", "SCHEDULERS", "QUERY_SIDE_BACKWARDS",
@@ -65,6 +71,10 @@ def option(default: Any = None, *, section: str, help: str, choices: tuple[str, 
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+# the configs validate() passed (kept outside them: a config holds its options only)
+_VALID: dict[int, weakref.ref] = {}
 
 
 @dataclass(frozen=True)
@@ -360,14 +370,16 @@ class TrainConfig:
         self._validate_reporting(bad)
         if self.deepspeed:
             self._validate_deepspeed(bad)
-        object.__setattr__(self, "_valid", True)  # not a field: neither compared nor written
+        key = id(self)  # remembered by identity: the config never changes
+        _VALID[key] = weakref.ref(self, lambda _: _VALID.pop(key, None))
         return self
 
     def checked(self) -> "TrainConfig":
         """The config, validated unless it already was: :func:`load_config` validates, and
         :func:`~bigbatch.train.train` then takes it as it is (validation, which reads the
         model folder, the data sources and the DeepSpeed file, runs once per run)."""
-        return self if self.__dict__.get("_valid") else self.validate()
+        valid = _VALID.get(id(self))
+        return self if valid is not None and valid() is self else self.validate()
 
     def _validate_guide_and_distill(self, bad: Any) -> None:
         """The options of guided filtering (``--guide-model``) and distillation
@@ -559,69 +571,6 @@ def one_of(choices: tuple[str, ...]) -> str:
     return f"must be one of {choices}"
 
 
-def _bool(value: Any, what: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise ConfigError(f"{what} must be true or false, got {value!r}")
-
-
-def _int(value: Any, what: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value)  # a flag's text
-        except ValueError:
-            pass
-    raise ConfigError(f"{what} must be an integer, got {value!r}")
-
-
-def _float(value: Any, what: str) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)  # a flag's text; YAML reads 2e-5 as a string
-        except ValueError:
-            pass
-    raise ConfigError(f"{what} must be a number, got {value!r}")
-
-
-def _str(value: Any, what: str) -> str:
-    if isinstance(value, (str, int, float)):
-        return str(value)
-    raise ConfigError(f"{what} must be a string, got {value!r}")
-
-
-def comma_list(text: str) -> list[str]:
-    """The entries of a comma-separated list ("query, value" -> ["query", "value"])."""
-    return [v.strip() for v in text.split(",") if v.strip()]
-
-
-def _strings(value: Any, what: str) -> list[str]:
-    if isinstance(value, str):
-        return comma_list(value)
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return value
-    raise ConfigError(f"{what} must be a list of strings, got {value!r}")
-
-
-def _sources(value: Any, what: str) -> str | list:
-    """A path, a comma list, or a list of paths and mappings (checked by parse_sources)."""
-    if isinstance(value, (str, list)):
-        return value
-    raise ConfigError(f"{what} must be a path or a list of sources, got {value!r}")
-
-
-# a field's type (without None) -> how a value of it is read from YAML or a flag's text
-_PARSERS: dict[tuple[Any, ...], Callable[[Any, str], Any]] = {
-    (bool,): _bool, (int,): _int, (float,): _float, (str,): _str,
-    (list[int],): lambda v, what: number_list(v, int, what),
-    (list[float],): lambda v, what: number_list(v, float, what),
-    (list[str],): _strings, (str, list): _sources,
-}
-
-
 def _field_types() -> dict[str, tuple[tuple[Any, ...], bool]]:
     """Each option's type without None, and whether None (YAML's empty value) is allowed."""
     out = {}
@@ -653,34 +602,7 @@ def parse_value(name: str, value: Any, what: str) -> Any:
     Raises:
         ConfigError: ``<what> must be an integer, got 'x'`` (and so on for each type).
     """
-    kinds, optional = _TYPES[name]
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{what} must not be empty")
-    return _PARSERS[kinds](value, what)
-
-
-def number_list(value: Any, kind: type, what: str) -> list:
-    """A list of ``kind`` (int or float) from a list or a comma-separated string ("384,128").
-
-    Raises:
-        ConfigError: an entry that is not such a number, naming ``what``.
-    """
-    items = comma_list(value) if isinstance(value, str) \
-        else value if isinstance(value, list) else None
-    if items is None:
-        raise ConfigError(f"{what} must be a list of numbers, e.g. 384,256,128, got {value!r}")
-    out = []
-    for v in items:
-        try:
-            if isinstance(v, bool) or (kind is int and isinstance(v, float)):
-                raise ValueError
-            out.append(kind(v))
-        except (TypeError, ValueError):
-            raise ConfigError(f"{what}: {v!r} is not {'an integer' if kind is int else 'a number'}"
-                              f" (give a comma-separated list, e.g. 384,256,128)") from None
-    return out
+    return parse_typed(*_TYPES[name], value, what)
 
 
 def _check_keys(keys: Any, source: str) -> None:
@@ -689,81 +611,6 @@ def _check_keys(keys: Any, source: str) -> None:
             close = difflib.get_close_matches(key, list(_FIELDS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{source}: unknown option {key!r}{hint}")
-
-
-def _key_lines(text: str, source: str) -> dict[Any, int]:
-    """The line (1-based) of each top-level key of a YAML mapping, for error messages.
-
-    Raises:
-        ConfigError: a key given twice (also spelled once with ``-`` and once with ``_``),
-            which YAML would settle silently by taking the last.
-    """
-    import yaml
-
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:  # pragma: no cover - safe_load already parsed it
-        return {}
-    if not isinstance(node, yaml.MappingNode):
-        return {}
-    out: dict[Any, int] = {}
-    first: dict[str, tuple[Any, int]] = {}
-    for key, _ in node.value:
-        try:
-            name = yaml.safe_load(yaml.serialize(key))
-        except yaml.YAMLError:  # pragma: no cover
-            continue
-        line = key.start_mark.line + 1
-        norm = str(name).replace("-", "_")
-        if norm in first:
-            was, at = first[norm]
-            raise ConfigError(f"{source}:{line}: {name!r} is given twice (also {was!r} at line "
-                              f"{at}); YAML would silently take the last: keep one")
-        first[norm] = (name, line)
-        out[name] = line
-    return out
-
-
-_PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume", "data_root",
-              "guide_model", "deepspeed")
-_SOURCE_OPTIONS = ("train_data", "eval_data")
-
-
-def _resolve_path(key: str, value: Any, base: Path) -> Any:
-    """A path option made absolute: ``~`` is the home folder, a relative path is read from
-    ``base`` (the YAML file's folder, or the working directory for a flag). A ``model`` that
-    is no folder there stays as given: a hub name (``namespace/name``)."""
-    if key in _SOURCE_OPTIONS:
-        return _resolve_sources(value, base)
-    if not isinstance(value, str) or not value:
-        return value
-    path = Path(value).expanduser()
-    if not path.is_absolute():
-        if key in ("model", "guide_model") and not (base / path).exists():
-            return value  # a hub name, a missing folder check_model_source names, "self"
-        path = base.absolute() / path
-    return os.path.normpath(path)
-
-
-def _resolve_sources(value: Any, base: Path) -> Any:
-    """``--train-data`` / ``--eval-data`` with every path made absolute: one path stays a
-    string; a comma list or a list becomes a list (a one-path list a string), each mapping's
-    ``path`` resolved."""
-    if isinstance(value, str):
-        value = comma_list(value) if "," in value else value
-    if isinstance(value, str):
-        return _resolve_path("data", value, base) if value else value
-    if not isinstance(value, list):
-        return value
-    out = []
-    for entry in value:
-        if isinstance(entry, str):
-            out.append(_resolve_path("data", entry, base))
-        elif isinstance(entry, dict) and isinstance(entry.get("path"), str):
-            out.append({**entry, "path": _resolve_path("data", entry["path"], base)})
-        else:
-            out.append(entry)  # parse_sources names what is wrong with it
-    return out[0] if len(out) == 1 and isinstance(out[0], str) else out
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
@@ -782,101 +629,22 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"{p}: not valid YAML: {e}") from e
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a mapping of option: value")
-        lines = _key_lines(p.read_text(), str(p))
+        lines = key_lines(p.read_text(), str(p))
         loaded = {str(k).replace("-", "_"): (v, f"{p}:{lines[k]}" if k in lines else str(p))
                   for k, v in loaded.items()}
         for k, (v, where) in loaded.items():
             _check_keys([k], where)
         values.update({k: parse_value(k, v, f"{where}: {k}") for k, (v, where) in loaded.items()})
-        values.update({k: _resolve_path(k, values[k], p.parent) for k in _PATH_KEYS
+        values.update({k: resolve_path(k, values[k], p.parent) for k in PATH_KEYS
                        if k in values})  # read from the YAML file's folder
     values.setdefault("output_dir", TrainConfig.output_dir)
     for k, v in (overrides or {}).items():
         k = k.replace("-", "_")
         _check_keys([k], "command line")
-        values[k] = _resolve_path(k, v, Path.cwd()) if k in _PATH_KEYS else v
+        values[k] = resolve_path(k, v, Path.cwd()) if k in PATH_KEYS else v
     if values["output_dir"] == TrainConfig.output_dir:  # the default: the working directory's
-        values["output_dir"] = _resolve_path("output_dir", values["output_dir"], Path.cwd())
-    values = _model_defaults(values)
+        values["output_dir"] = resolve_path("output_dir", values["output_dir"], Path.cwd())
+    values = model_defaults(values, TrainConfig.max_length)
     return TrainConfig(**values).validate()
 
 
-# what a sentence-transformers model folder says about how it embeds
-_ST_KEYS = ("pooling", "max_length", "query_prefix", "doc_prefix")
-# what a vision-language folder bigbatch saved says about how it embeds
-_VL_KEYS = ("query_instruction", "doc_instruction", "max_num_visual_tokens",
-            "min_num_visual_tokens", "max_length")
-
-
-def _model_defaults(values: dict[str, Any]) -> dict[str, Any]:
-    """Options the user did not set, taken from a text model folder's sentence-transformers
-    configuration (pooling, max length, query/document prompts), or from the
-    ``bigbatch_encoder.json`` of a vision-language folder bigbatch saved (instructions, pixel
-    budget, max length), so a model trains as it embeds, and as ``bigbatch mine`` / ``eval``
-    embed with it."""
-    model = values.get("model")
-    if not model or not Path(model).is_dir():
-        return values
-    from ..encoders.loading import st_settings
-    from ..encoders.vision import is_vision_language_model
-
-    if values.get("encoder") == "vision-language" or is_vision_language_model(model):
-        meta = Path(model) / "bigbatch_encoder.json"
-        if not meta.exists() or all(k in values for k in _VL_KEYS):
-            return values
-        import json
-        try:
-            found = json.loads(meta.read_text())
-        except ValueError as e:
-            raise ConfigError(f"{meta}: not valid JSON: {e}") from e
-        return {**{k: found[k] for k in _VL_KEYS if found.get(k) is not None}, **values}
-    multi = _multivector_defaults(Path(model))
-    if multi is not None:  # (another --pooling: the transformer alone, pooled as asked)
-        return {**multi, **values} if values.get("pooling", "multivector") == "multivector" \
-            else values
-    if all(k in values for k in _ST_KEYS):
-        return values
-    try:
-        found = st_settings(model)
-    except ConfigError as e:
-        raise ConfigError(f"{e}. To fine-tune the transformer alone, give --pooling, "
-                          f"--max-length, --query-prefix and --doc-prefix explicitly") from e
-    out = {**{k: found[k] for k in _ST_KEYS if k in found}, **values}
-    if "max_length" not in out:  # the default, cut to the model's positions when it has fewer
-        positions = _model_positions(Path(model))
-        if positions is not None and positions < TrainConfig.max_length:
-            out["max_length"] = positions
-    return out
-
-
-def _multivector_defaults(model: Path) -> dict[str, Any] | None:
-    """The options a multi-vector (PyLate-layout) folder gives, or None for another folder."""
-    from ..encoders.text_multivector import multivector_settings
-
-    found = multivector_settings(model)
-    if found is None:
-        return None
-    return {"pooling": "multivector", "multivector_dim": found["dim"],
-            "max_length": found["max_length"], "query_prefix": found["query_prefix"],
-            "doc_prefix": found["doc_prefix"],
-            "query_length": found["query_length"] if found["query_expansion"] else 0}
-
-
-def model_positions(max_position_embeddings: Any, model_type: Any) -> int | None:
-    """How many token positions a text model's configuration gives (RoBERTa-family models
-    lose two to the padding offset: their positions start after the padding index), or None
-    when it does not say."""
-    if not isinstance(max_position_embeddings, int):
-        return None
-    return max_position_embeddings - (2 if "roberta" in str(model_type or "") else 0)
-
-
-def _model_positions(model: Path) -> int | None:
-    """:func:`model_positions` of a model folder's ``config.json`` (None without one)."""
-    import json
-
-    try:
-        cfg = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return model_positions(cfg.get("max_position_embeddings"), cfg.get("model_type"))
