@@ -1,4 +1,4 @@
-"""The ``bigbatch`` command line: ``train``, ``eval`` (and the data tools).
+"""The ``bigbatch`` command line: ``train``, ``eval`` (and the data tools, ``data fetch``).
 
 Every option of :class:`bigbatch.train.TrainConfig` is a flag spelled with dashes
 (``--grad-cache-chunk``); ``--config file.yaml`` supplies values that flags override.
@@ -363,6 +363,18 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--font", default=None, help="a .ttf file (default: DejaVu Sans or "
                     "Pillow's built-in font)")
     rp.add_argument("--seed", type=int, default=0, help="seed of the random negative pages")
+
+    fe = sub.add_parser("data", help="get a public data set (SciFact)").add_subparsers(
+        dest="data_command", required=True).add_parser(
+        "fetch", help="download SciFact (BEIR's archive), check its SHA-256, unpack it into "
+        "DIR/scifact (complete or not at all) and print its licence")
+    fe.add_argument("dataset", choices=("scifact",), help="the data set")
+    fe.add_argument("--to", required=True, metavar="DIR", help="folder to unpack into (created "
+                    "if missing)")
+    fe.add_argument("--url", default=None, help="the archive's address instead of BEIR's (a "
+                    "mirror, file:///path/scifact.zip) (default: BEIR's)")
+    fe.add_argument("--sha256", default=None, help="the SHA-256 the archive must have (default: "
+                    "that of BEIR's scifact.zip)")
     return parser
 
 
@@ -467,6 +479,10 @@ def _run(args: argparse.Namespace) -> int:
             return _render_pages(args)
         if args.command == "make-pairs":
             return _make_pairs(args)
+        if args.command == "data":  # data fetch
+            from .data.tools.fetch import fetch
+            fetch(args.dataset, args.to, url=args.url, sha256=args.sha256)
+            return 0
         if args.command == "train":
             from .train import load_config, train
 
