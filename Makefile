@@ -72,11 +72,13 @@ $(FETCHED_SCIFACT)/corpus.jsonl: | $(STAMP)
 
 data: $(FETCHED_SCIFACT)/corpus.jsonl
 
-# Fine-tune all-MiniLM-L6-v2 on SciFact train with GradCache; print base and fine-tuned metrics.
+# Fine-tune all-MiniLM-L6-v2 on SciFact train with GradCache; print base and fine-tuned metrics,
+# and record them with the run's time in runs/demo-scifact/demo-record.json (bench/demo_record.py).
 # --overwrite: a repeated demo moves the previous one into runs/demo-scifact/previous-<time>/
 demo: $(STAMP) $(SCIFACT_NEEDS)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/bigbatch train --config configs/demo_scifact.yaml \
 		--model "$(MINILM)" --train-data "$(SCIFACT)" --eval-data "$(SCIFACT)" --overwrite
+	$(PY) bench/demo_record.py demo --out runs/demo-scifact/demo-record.json
 
 # Two sources in one run, each batch from one (configs/demo_mix.yaml): SciFact train and
 # title -> abstract pairs bigbatch makes from SciFact's abstracts, with their own instruction.

@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("render-pages", help="render a BEIR corpus to page images (a visual "
                         "document retrieval set: text queries, image documents)",
                         formatter_class=_DefaultsFormatter)
-    rp.add_argument("source", help="BEIR directory (e.g. ../shared/data/scifact)")
+    rp.add_argument("source", help="BEIR directory (e.g. data/scifact)")
     rp.add_argument("output", help="directory to write (BEIR layout + images/ + train.jsonl)")
     rp.add_argument("--max-docs", type=int, default=None, help="corpus size: every relevant "
                     "document, then others up to this many (default: all)")
