@@ -248,3 +248,12 @@ def test_the_pinned_archive_is_beirs():
     assert ds.url == "https://public.ukp.informatik.tu-darmstadt.de/thakur/BEIR/datasets/scifact.zip"
     assert len(ds.sha256) == 64 and len(ds.md5) == 32
     assert set(FILES) == set(ds.files)
+
+
+def test_tests_without_scifact_skip_with_the_command_that_gets_it(monkeypatch, tmp_path):
+    import pipeline_helpers
+
+    monkeypatch.setattr(pipeline_helpers, "SCIFACT", tmp_path / "absent")
+    with pytest.raises(pytest.skip.Exception, match="bigbatch data fetch scifact --to data"):
+        pipeline_helpers.scifact_slice(tmp_path / "sf")
+    assert not (tmp_path / "sf").exists()
