@@ -10,8 +10,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCIFACT = Path(os.environ.get("BIGBATCH_SCIFACT", ROOT.parent / "shared" / "data" / "scifact"))
-RESULTS = ROOT / "bench" / "results"
+# $BIGBATCH_SCIFACT, else ../shared/data/scifact beside the clone where it is, else data/scifact
+# (`make data`)
+_SHARED = ROOT.parent / "shared" / "data" / "scifact"
+SCIFACT = Path(os.environ.get("BIGBATCH_SCIFACT") or (
+    _SHARED if (_SHARED / "corpus.jsonl").is_file() else ROOT / "data" / "scifact"))
+# where results are written: bench/results/ (the published ones), or $BIGBATCH_RESULTS (`make
+# bench`'s scratch folder)
+RESULTS = Path(os.environ.get("BIGBATCH_RESULTS") or ROOT / "bench" / "results")
 
 
 def scifact_pairs(n: int) -> tuple[list[str], list[str]]:

@@ -1,8 +1,15 @@
-"""Write docs/benchmarks.md (tables) and docs/*.png (plots) from bench/results/*.json."""
+"""Write docs/benchmarks.md (tables) and docs/*.png (plots) from bench/results/*.json.
+
+``--results DIR --docs DIR`` read and write elsewhere (``make bench``'s scratch folder). A
+result file records the command that made it; absolute paths in it are shown as
+``/path/to/...`` (where a file was on the machine that measured is no reader's business).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -23,6 +30,12 @@ LABELS = {"a_plain_full_batch": "(a) plain full batch", "b_st_cached_mnrl":
           "Gb_floor_st_work": "sentence-transformers' floor timed directly: F, then FB"}
 
 
+def shown(command: str) -> str:
+    """A recorded command as the page shows it: each absolute path's first folder replaced by
+    ``/path/to`` (``/opt/venv/bin/python`` -> ``/path/to/venv/bin/python``)."""
+    return re.sub(r"(?<![\w.])/[\w.-]+/(?=[\w.-])", "/path/to/", command)
+
+
 def speed_summary(r: dict) -> dict:
     """A speed result's summary (:func:`speed.summarize`: seconds per contender, bound, floors,
     ratios), recomputed from its recorded rounds with the statistic the run chose."""
@@ -36,7 +49,7 @@ def speed_section(path: Path) -> list[str]:
     med, medians, ratios = sm["seconds"], sm["median_seconds"], sm["ratios"]
     floor_c, floor_b = (sm["floor_seconds"][k] for k in FLOOR_KEYS)
     lines = [f"### Speed: {path.stem}", "",
-             f"`{r['command']}` on {m['processor']} ({m['cpus']} CPUs, device {m['device']}"
+             f"`{shown(r['command'])}` on {m['processor']} ({m['cpus']} CPUs, device {m['device']}"
              f"{', ' + m['gpu'] if 'gpu' in m else ''}), torch {m['torch']}, {r['date']}.",
              f"Batch {s['batch']}, chunk {s['chunk']}, max length {s['max_length']}, "
              f"{s['dtype']}, {'equal' if s['equal_lengths'] else 'real SciFact'} lengths, "
@@ -84,7 +97,7 @@ def memory_section(paths: list[Path], taken: set[str]) -> list[str]:
              f"each point its own process; "
              f"{'peak CUDA allocation' if 'cuda' in key else 'peak resident memory of the process'}"
              f" on {m['processor']} ({m['cpus']} CPUs), torch {m['torch']}. Commands: "
-             + "; ".join(f"`{x['command']}` ({x['date']})" for x in runs) + ".",
+             + "; ".join(f"`{shown(x['command'])}` ({x['date']})" for x in runs) + ".",
              "", "'Added by the step' is the streamed run's peak minus the high-water mark before the "
              "step (model, data and tokenization), i.e. what the step itself added. Step seconds "
              "are wall time and depend on what else shared the CPUs (some points ran beside a "
@@ -187,7 +200,7 @@ def pylate_section(paths: list[Path]) -> list[str]:
         s, m, v = r["settings"], r["machine"], r["versions"]
         use = r["seconds"]
         lines += [f"### Speed against PyLate: {path.stem}", "",
-                  f"`{r['command']}` on {m['processor']} ({m['cpus']} CPUs, device "
+                  f"`{shown(r['command'])}` on {m['processor']} ({m['cpus']} CPUs, device "
                   f"{m['device']}{', ' + m['gpu'] if 'gpu' in m else ''}), {r['date']}: "
                   f"PyLate {v['pylate_side']['pylate']} with sentence-transformers "
                   f"{v['pylate_side']['sentence-transformers']}, torch "
@@ -267,8 +280,8 @@ def targets_section() -> list[str]:
                         for p in gpu})
         out.append(fmt(True, f"GPU bf16 table: measured on {', '.join(names)} (tables below)"))
     else:
-        out.append(fmt(False, "GPU bf16 table: not measured (no GPU was lent to the sessions "
-                              "that ran this); `bash bench/gpu.sh` on a CUDA machine makes it"))
+        out.append(fmt(False, "GPU bf16 table: no GPU result in bench/results yet; "
+                              "`bash bench/gpu.sh` on a CUDA machine makes it"))
     return out + [""]
 
 
@@ -309,22 +322,23 @@ def st_note() -> list[str]:
                       f" (c) and (d) do identical work at equal lengths; their fastest rounds "
                       f"differ by {abs(c - d) / c:.0%}, their medians by "
                       f"{abs(medians['c_bigbatch'] - medians['d_bigbatch_sorted']) / mc:.0%}: "
-                      f"this machine's timing noise."))
+                      f"timing noise."))
     if not out:
         return []
     return ["## The sentence-transformers target", "",
-            "The 1.25x target was set from the cost `003_...` reports for the cached loss "
-            "(2.45x to 2.77x plain training). The sentence-transformers installed here (6.2) "
-            "has since taken up the same design: each mini-batch cut to its own longest row, "
+            "The 1.25x target was set from the cost reported for sentence-transformers' cached "
+            "loss when it was added (UKPLab/sentence-transformers#1759: 2.77x and 2.45x the time "
+            "of plain training). sentence-transformers 6.2, the version measured, has since "
+            "taken up the same design: each mini-batch cut to its own longest row, "
             "dropout replayed from a saved RNG state, the loss computed in blocks. Both now do "
             "the same model work but one chunk: exact GradCache must embed every example twice "
             "(without a graph for the full-batch loss, then with one to push the cached "
             "gradient in), except the chunk whose graph bigbatch keeps; holding more graphs "
             "would break the one-chunk memory bound. Measured floors, from the F, FB and "
             "F_last rows:", ""] + out + [
-            "", "So the target is out of reach by construction against this version, on this "
-            "machine; it stays listed as not met. On a GPU, where per-mini-batch overhead is "
-            "a larger share, the gap may differ (no GPU was lent to measure it).", ""]
+            "", "So the target is out of reach by construction against this version on these "
+            "CPUs; it stays listed as not met. On a GPU, where per-mini-batch overhead is a "
+            "larger share, the gap may differ; no GPU result is in bench/results yet.", ""]
 
 
 def eval_memory_section(path: Path) -> list[str]:
@@ -335,7 +349,7 @@ def eval_memory_section(path: Path) -> list[str]:
              f"`bigbatch.retrieval.evaluate.evaluate_beir` on synthetic BEIR sets ({s['queries']} "
              f"queries, documents of 30 SciFact words), max length {s['max_length']}, one "
              f"process per point on {m['processor']} ({m['cpus']} CPUs), torch {m['torch']}. "
-             f"Command: `{r['command']}` ({r['date']}). The corpus embeddings are written to "
+             f"Command: `{shown(r['command'])}` ({r['date']}). The corpus embeddings are written to "
              "disk as they are made and scored memory-mapped: the process's anonymous memory "
              "(what it allocated: document ids, one block of embeddings being made, one block "
              "of query scores of at most 2**24 similarities) is not the embeddings matrix; "
@@ -389,23 +403,32 @@ def data_scale_section(paths: list[Path]) -> list[str]:
                   "count as resident) and an epoch's permutation (8 bytes a record)."]
     slowest = min(rows, key=lambda r: r["datapath"]["batches_per_s"])
     lines += ["", f"The data path makes a batch of 256 records in at most "
-                  f"{1000 / slowest['datapath']['batches_per_s']:,.0f} ms here; all-MiniLM-L6-v2 "
-                  "trains a step of 256 in about 30 s on this CPU (the peak-memory table "
+                  f"{1000 / slowest['datapath']['batches_per_s']:,.0f} ms; all-MiniLM-L6-v2 "
+                  "trains a step of 256 in about 30 s on the same CPUs (the peak-memory table "
                   "above), so reading records is under 1% of a step."]
     eager = [r for r in rows if "eager" in r]
     for r in eager:
         e = r["eager"]
         lines += ["", f"For comparison, the {r['records']:,} records loaded as Python objects "
-                      f"(`load_records`, how `bigbatch train` read them before): "
+                      f"(`load_records`, which reads every record into memory): "
                       f"{e['seconds']:.0f} s, peak RSS {e['peak_rss_mb']:,.0f} MB."]
     return lines + [""]
 
 
 def main() -> None:
-    DOCS.mkdir(exist_ok=True)
+    global RESULTS, DOCS
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=Path, default=RESULTS, help="the result files to read")
+    ap.add_argument("--docs", type=Path, default=DOCS, help="where benchmarks.md and the plots go")
+    args = ap.parse_args()
+    RESULTS, DOCS = args.results, args.docs
+    DOCS.mkdir(parents=True, exist_ok=True)
     lines = ["# Benchmarks", "",
-             "Produced by `make bench` (`bench/speed.py`, `bench/memory.py`, `bench/report.py`); "
-             "raw results with machine, date and versions are in `bench/results/`. Numbers are "
+             "Every figure below comes from a result file in `bench/results/`, which records "
+             "the command that measured it, the machine, the date and the versions; each table "
+             "names its command. `python bench/report.py` writes this page from those files. "
+             "`make bench` is a quick check that the benchmarks run (2 rounds, small batches), "
+             "written to a scratch folder (`runs/bench-quick/`), not here. Numbers are "
              "measured, never asserted by tests.", ""]
     lines += targets_section()
     lines += st_note()

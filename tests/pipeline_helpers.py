@@ -1,5 +1,5 @@
 """Helpers for pipeline tests: a tiny random BERT saved to disk, and a small SciFact slice in
-BEIR layout written to a temporary directory (the data set itself stays in ../shared).
+BEIR layout written to a temporary directory (the data set itself is read where it is).
 At the root of tests/: the tests of pipeline/, data/, integrations/, jax/ and vision/ (and
 bench/data_scale.py) share it."""
 
@@ -9,7 +9,23 @@ import csv
 import json
 from pathlib import Path
 
-SCIFACT = Path(__file__).resolve().parents[2] / "shared" / "data" / "scifact"
+REPO = Path(__file__).resolve().parents[1]
+# BEIR SciFact: beside the clone (../shared/data/scifact) where it is there, else where
+# `make data` puts it (data/scifact); FETCH_SCIFACT is the one command that gets it
+SCIFACT = next((p for p in (REPO.parent / "shared" / "data" / "scifact", REPO / "data" / "scifact")
+                if (p / "corpus.jsonl").is_file()), REPO.parent / "shared" / "data" / "scifact")
+FETCH_SCIFACT = "bigbatch data fetch scifact --to data"  # in the repository root: make data
+
+
+def need_scifact() -> Path:
+    """SciFact's folder; the test is skipped, naming the command that gets it, when it is
+    not there."""
+    import pytest
+
+    if not (SCIFACT / "corpus.jsonl").is_file():
+        pytest.skip(f"needs SciFact, not found at {SCIFACT} or {REPO / 'data' / 'scifact'}; get "
+                    f"it with `{FETCH_SCIFACT}` in the repository root")
+    return SCIFACT
 
 
 def minilm_path() -> Path:
@@ -38,6 +54,8 @@ def scifact_slice(path: Path, n_train: int = 64, n_test: int = 20, n_extra_docs:
     """A BEIR directory with n_train train pairs, n_test test queries and a small corpus."""
     if (path / "corpus.jsonl").exists():
         return path
+    need_scifact()
+
     def qrels(split):
         with open(SCIFACT / "qrels" / f"{split}.tsv") as f:
             return list(csv.reader(f, delimiter="\t"))[1:]

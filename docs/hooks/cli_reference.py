@@ -1,8 +1,9 @@
 """An mkdocs hook: the CLI reference page (docs/reference/cli.md) is generated at build time
 from ``bigbatch.cli.build_parser()``, the parser ``bigbatch --help`` prints, so the page never
 drifts from the command. The page's marker line ``<!-- bigbatch-cli -->`` is replaced by one
-section per subcommand: its options in a table (flags, help with the default, as ``--help``
-words it) and the ``--help`` text itself.
+section per subcommand (and per subcommand of a group, such as ``bigbatch data fetch``): its
+options in a table (flags, help with the default, as ``--help`` words it) and the ``--help``
+text itself.
 """
 
 from __future__ import annotations
@@ -63,6 +64,22 @@ def command_markdown(name: str, summary: str, parser: argparse.ArgumentParser) -
     ])
 
 
+def _sections(prefix: str, parser: argparse.ArgumentParser) -> list[str]:
+    """A section per subcommand of ``parser``; one with subcommands of its own (``bigbatch
+    data fetch``) gets a short section naming them, then theirs."""
+    out = []
+    for name, summary, sub in _subcommands(parser):
+        nested = _subcommands(sub)
+        if not nested:
+            out.append(command_markdown(prefix + name, summary, sub))
+            continue
+        names = ", ".join(f"`bigbatch {prefix}{name} {n}`" for n, _, _ in nested)
+        out += [f"## bigbatch {prefix}{name}", "", f"{summary[:1].upper()}{summary[1:]}: "
+                f"{names}.", ""]
+        out += _sections(f"{prefix}{name} ", sub)
+    return out
+
+
 def cli_markdown() -> str:
     """The whole generated reference: the top-level usage, then each subcommand."""
     from bigbatch.cli import build_parser
@@ -72,7 +89,7 @@ def cli_markdown() -> str:
     try:
         parser = build_parser()
         parts = ["```text", parser.format_usage().strip(), "```", ""]
-        parts += [command_markdown(*sub) for sub in _subcommands(parser)]
+        parts += _sections("", parser)
     finally:
         if old is None:
             os.environ.pop("COLUMNS", None)

@@ -17,6 +17,7 @@ __all__ = [
     "DataError",
     "RankFailedError",
     "OutputError",
+    "FetchError",
 ]
 
 
@@ -52,6 +53,13 @@ class OutputError(BigBatchError, OSError):
     """A file or folder bigbatch writes could not be written (a full disk, no permission):
     the message names it, says how much space is free and what to do; what was there
     before is left as it was."""
+
+
+class FetchError(BigBatchError, OSError):
+    """A download did not give the file it should (``bigbatch data fetch``): no network, an
+    address that answers with an error, a checksum that differs, an archive cut short or
+    damaged. The message names the address or the file and what to do; nothing of the
+    download is left behind."""
 
 
 class DataError(BigBatchError, ValueError):

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from pipeline_helpers import SCIFACT, need_scifact
 
 import bigbatch as bb
 
-SCIFACT = Path(__file__).resolve().parents[3] / "shared" / "data" / "scifact"
 B = 8
 
 
@@ -25,8 +25,7 @@ def minilm_path() -> Path:
 
 def scifact_batch(b: int, seed: int = 0) -> tuple[list[str], list[str], list[str]]:
     """b train claims with their first relevant abstract and one random other abstract."""
-    if not (SCIFACT / "corpus.jsonl").exists():
-        pytest.fail(f"SciFact not found at {SCIFACT}; see ../shared/data/README.md")
+    need_scifact()
     with open(SCIFACT / "qrels" / "train.tsv") as f:
         rows = list(csv.reader(f, delimiter="\t"))[1:]
     positive: dict[str, str] = {}

@@ -175,9 +175,9 @@ def test_eval_command_on_200_document_slice(sf_slice, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_eval_reproduces_published_scifact_ndcg(tmp_path, capsys):
-    from pipeline_helpers import SCIFACT, minilm_path
+    from pipeline_helpers import minilm_path, need_scifact
     out = tmp_path / "eval.json"
-    assert main(["eval", "--model", str(minilm_path()), "--data", str(SCIFACT), "--output",
+    assert main(["eval", "--model", str(minilm_path()), "--data", str(need_scifact()), "--output",
                  str(out), "--no-cache"]) == 0
     m = json.loads(out.read_text())[0]["metrics"]
     assert m["ndcg@10"] == pytest.approx(0.6451, abs=0.002)

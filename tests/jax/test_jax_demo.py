@@ -79,15 +79,14 @@ def test_demo_runs_and_trains(tmp_path, capsys):
 
 @pytest.mark.slow  # embeds the whole SciFact corpus (measured: 23 min on 2 shared cores)
 def test_flax_minilm_reproduces_the_published_scifact_figure():
-    from pipeline_helpers import SCIFACT
+    from pipeline_helpers import need_scifact
 
     from bigbatch.jax.bert import load_bert
     from bigbatch.jax.encode import FlaxTextEncoder
     from bigbatch.retrieval.evaluate import evaluate_beir
 
-    if not SCIFACT.is_dir():
-        pytest.skip("SciFact is not in ../shared/data")
+    data = need_scifact()
     model, params = load_bert(minilm_path())
     encoder = FlaxTextEncoder(model, params, minilm_path(), max_length=256)
-    metrics = evaluate_beir(encoder, SCIFACT, "test", progress=False)
+    metrics = evaluate_beir(encoder, data, "test", progress=False)
     assert round(metrics["ndcg@10"], 4) == 0.6451  # the PyTorch base row of make demo

@@ -54,8 +54,8 @@ def test_exact_search_and_similarities():
 
 
 def test_unseen_queries_of_scifact():
-    from pipeline_helpers import SCIFACT
-    assert len(unseen_query_ids(SCIFACT, "test", "train")) == 104
+    from pipeline_helpers import need_scifact
+    assert len(unseen_query_ids(need_scifact(), "test", "train")) == 104
 
 
 def test_check_beir_split_finds_what_evaluation_would_fail_on(tmp_path):

@@ -188,5 +188,6 @@ def test_wandb_missing_is_refused_before_the_run(assets, tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=re.escape("pip install 'bigbatch[wandb]'")):
+    with pytest.raises(ConfigError, match=re.escape("pip install wandb, or in a bigbatch clone "
+                                                    "pip install -e '.[wandb]'")):
         config(assets, tmp_path / "run", report_to=["wandb"])

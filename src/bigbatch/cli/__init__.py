@@ -31,6 +31,7 @@ _COMMANDS: dict[str, tuple[Callable[[Any, str], None], Callable[[argparse.Namesp
     "eval": (eval_.add_parser, eval_.run),
     "make-pairs": (data.add_make_pairs, data.make_pairs),
     "render-pages": (data.add_render_pages, data.render_pages),
+    "data": (data.add_fetch, data.fetch),
 }
 
 

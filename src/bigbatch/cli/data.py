@@ -1,6 +1,7 @@
 """The data tools ``bigbatch validate`` (check training files, report every problem),
-``make-pairs`` (training pairs from a corpus alone) and ``render-pages`` (a BEIR corpus
-rendered to page images); ``convert`` is :mod:`bigbatch.cli.convert`."""
+``make-pairs`` (training pairs from a corpus alone), ``render-pages`` (a BEIR corpus
+rendered to page images) and ``data fetch`` (SciFact downloaded, checked and unpacked);
+``convert`` is :mod:`bigbatch.cli.convert`."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def add_render_pages(sub: Any, name: str) -> None:
     rp = sub.add_parser(name, help="render a BEIR corpus to page images (a visual document "
                         "retrieval set: text queries, image documents)",
                         formatter_class=DefaultsFormatter)
-    rp.add_argument("source", help="BEIR directory (e.g. ../shared/data/scifact)")
+    rp.add_argument("source", help="BEIR directory (e.g. data/scifact)")
     rp.add_argument("output", help="directory to write (BEIR layout + images/ + train.jsonl)")
     rp.add_argument("--max-docs", type=int, default=None, help="corpus size: every relevant "
                     "document, then others up to this many (default: all)")
@@ -116,4 +117,26 @@ def render_pages(args: argparse.Namespace) -> int:
                               font=args.font)
     print(f"rendered {counts['documents']} pages, {counts['queries']} queries, "
           f"{counts['train_records']} train records into {args.output}")
+    return 0
+
+
+def add_fetch(sub: Any, name: str) -> None:
+    fe = sub.add_parser(name, help="get a public data set (SciFact)").add_subparsers(
+        dest="data_command", required=True).add_parser(
+        "fetch", help="download SciFact (BEIR's archive), check its SHA-256, unpack it into "
+        "DIR/scifact (complete or not at all) and print its licence")
+    fe.add_argument("dataset", choices=("scifact",), help="the data set")
+    fe.add_argument("--to", required=True, metavar="DIR", help="folder to unpack into (created "
+                    "if missing)")
+    fe.add_argument("--url", default=None, help="the archive's address instead of BEIR's (a "
+                    "mirror, file:///path/scifact.zip) (default: BEIR's)")
+    fe.add_argument("--sha256", default=None, help="the SHA-256 the archive must have (default: "
+                    "that of BEIR's scifact.zip)")
+
+
+def fetch(args: argparse.Namespace) -> int:
+    """``bigbatch data fetch``."""
+    from ..data.tools.fetch import fetch as fetch_dataset
+
+    fetch_dataset(args.dataset, args.to, url=args.url, sha256=args.sha256)
     return 0

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 from .source import files_key, load_pretrained, model_reference
+from .unwrap import saving_without_deepspeed
 
 __all__ = ["EncoderBase", "FrozenDocTower", "pool", "SIDES", "check_side", "scored_rows",
            "tokens_in_order"]
@@ -231,7 +232,8 @@ class EncoderBase(nn.Module, ABC):
             import copy
             model = copy.deepcopy(model).merge_and_unload()
         options = self._adapter_save_options() if self.is_lora and not merge_lora else {}
-        model.save_pretrained(path, safe_serialization=True, **options)
+        with saving_without_deepspeed():  # no DeepSpeed import in a run that does not use it
+            model.save_pretrained(path, safe_serialization=True, **options)
         self.tokenizer.save_pretrained(path)
         return path
 

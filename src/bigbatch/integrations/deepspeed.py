@@ -286,14 +286,15 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict[
     the engine is checked by :func:`check_engine`.
 
     Raises:
-        ConfigError: DeepSpeed is not installed (``pip install 'bigbatch[deepspeed]'``), or
+        ConfigError: DeepSpeed is not installed (``pip install -e '.[deepspeed]'`` in a clone), or
             :func:`check_engine` refuses the engine.
     """
     try:
         import deepspeed
     except ImportError as e:
-        raise ConfigError("--deepspeed needs DeepSpeed: pip install 'bigbatch[deepspeed]' (on a "
-                          "machine without CUDA: DS_BUILD_OPS=0 pip install deepspeed)") from e
+        raise ConfigError("--deepspeed needs DeepSpeed: pip install 'deepspeed>=0.19.8', or in a "
+                          "bigbatch clone pip install -e '.[deepspeed]' (on a machine without "
+                          "CUDA: DS_BUILD_OPS=0 pip install deepspeed)") from e
     ensure_process_group()
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                       lr_scheduler=lr_scheduler)

@@ -135,7 +135,8 @@ def check_reporters(names: list[str]) -> None:
         package = REPORTERS.get(name, (None, None))[1]
         if package and importlib.util.find_spec(package) is None:
             raise ConfigError(f"--report-to {name}: the {package!r} package is not installed "
-                              f"(pip install 'bigbatch[{name}]')")
+                              f"(pip install {package}, or in a bigbatch clone pip install -e "
+                              f"'.[{name}]')")
 
 
 class RunLogger:

@@ -69,8 +69,8 @@ def _pyarrow(path: Path) -> tuple[Any, Any]:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:  # pragma: no cover
-        raise DataError("reading Parquet or Arrow needs pyarrow: pip install 'bigbatch[data]'",
-                        path=str(path)) from None
+        raise DataError("reading Parquet or Arrow needs pyarrow: pip install pyarrow (the data "
+                        "extra: pip install -e '.[data]')", path=str(path)) from None
     return pa, pq
 
 

@@ -40,7 +40,7 @@ def check_image(path: str | Path) -> str | None:
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:  # pragma: no cover
-        return "Pillow is not installed: pip install 'bigbatch[vision]'"
+        return "Pillow is not installed: pip install pillow (the vision extra: pip install -e '.[vision]')"
     try:
         with open_regular(p, "rb", MAX_IMAGE_BYTES, "page image") as f, Image.open(f) as im:
             width, height = im.size

@@ -3,7 +3,7 @@ rendered to a page image with PIL, the queries stay text. With SciFact this give
 against abstract pages, so the whole image path (loading, visual tokens, training,
 evaluation) runs end to end on a CPU.
 
-    bigbatch render-pages ../shared/data/scifact runs/scifact-pages --max-docs 600
+    bigbatch render-pages data/scifact runs/scifact-pages --max-docs 600
 
 writes a BEIR directory whose ``corpus.jsonl`` records carry ``"image": "images/<id>.png"``
 (the text is kept for reference), the queries and qrels of the rendered documents, and a
