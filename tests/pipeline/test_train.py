@@ -116,7 +116,7 @@ def test_kill_during_checkpoint_write_keeps_previous(assets, tmp_path, monkeypat
     (out / ".checkpoint-000004.tmp-999").mkdir()
     assert latest_checkpoint(out).name == "checkpoint-000002"
     summary = train(config(assets, out, save_steps=2, resume=str(out)))
-    assert summary["steps"] == 6 and (out / "final" / "adapter_model.safetensors").exists()
+    assert summary["steps"] == 6 and (out / "final" / "adapter" / "adapter_model.safetensors").exists()
 
 
 def test_bad_record_stops_before_step_one(assets, tmp_path, capsys):
@@ -183,7 +183,7 @@ def test_the_weights_are_saved_before_the_final_evaluation(assets, tmp_path, mon
     with pytest.raises(MemoryError):
         train(config(assets, out, eval_data=str(assets[1]), max_steps=4, save_steps=0))
     assert latest_checkpoint(out).name == "checkpoint-000004"
-    assert (out / "final" / "adapter_model.safetensors").exists()
+    assert (out / "final" / "adapter" / "adapter_model.safetensors").exists()
 
 
 def test_resume_refuses_other_data_settings_or_process_count(assets, tmp_path):
@@ -291,7 +291,7 @@ def test_a_kill_between_the_renames_of_a_replacement_is_recovered(assets, tmp_pa
     (out / ".final.tmp-4241").mkdir()
     (out / ".metrics.jsonl.tmp-4241").write_text("{")
     summary = train(config(assets, out, resume=str(out)))
-    assert summary["steps"] == 6 and (out / "final" / "adapter_model.safetensors").exists()
+    assert summary["steps"] == 6 and (out / "final" / "adapter" / "adapter_model.safetensors").exists()
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
 
 

@@ -585,7 +585,9 @@ class Trainer:
         if info.is_main:
             with atomic_dir(out / "final") as tmp, \
                     write_errors(out / "final", f"continue with --resume {out}"):
-                self.encoder.save(tmp, merge_lora=config.merge_lora)
+                # full weights every client loads alike; a LoRA run's adapter beside them
+                # in final/adapter/ (none with --merge-lora)
+                self.encoder.save_final(tmp, keep_adapter=not config.merge_lora)
         barrier(info)
         if state["step"] >= self.max_steps and self.last_eval_step != state["step"]:
             self.last_metrics = self.evaluate(state["step"])
