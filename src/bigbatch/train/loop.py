@@ -346,9 +346,10 @@ class Trainer:
         mix = "" if len(self.sources) == 1 else " (" + ", ".join(
             f"{s.name}: {len(s.records)} x {w:.0%}" for s, w in zip(self.sources,
                                                                     self.batches.weights)) + ")"
+        budget = f"--epochs {config.epochs:g}" if config.epochs else "--max-steps"  # which ruled
         text = (f"bigbatch train: {len(self.records)} records{mix}, {len(self.batches)} "
                 f"steps/epoch, "
-                f"{self.max_steps} steps, global batch {self.batches.global_batch} "
+                f"{self.max_steps} steps ({budget}), global batch {self.batches.global_batch} "
                 f"({self.info.world_size} process(es) x {config.batch_size}), chunk "
                 f"{chunk}{f' (queries {q_chunk})' if q_chunk != chunk else ''}, "
                 f"k={'/'.join(str(s.batches.k) for s in self.sources)}, "
