@@ -533,7 +533,7 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 - the network, a token, a name taken
             print(f"bigbatch train: could not push {final} to the Hub repository {repo}: "
                   f"{type(e).__name__}: {e}. The model is saved; upload it later with "
-                  f"`huggingface-cli upload {repo} {final}`", flush=True)
+                  f"`hf upload {repo} {final}` (after `hf auth login`)", flush=True)
             return {"repo": repo, "error": f"{type(e).__name__}: {e}"}
         print(f"bigbatch train: pushed {final} to {url}", flush=True)
         return {"repo": repo, "url": url}
