@@ -16,7 +16,7 @@ from .text import TextEncoder
 from .text_multivector import multivector_settings
 
 __all__ = ["load_encoder", "st_settings", "st_modules", "st_pooling", "st_max_length",
-           "st_check_width"]
+           "st_check_width", "check_colpali_folder"]
 
 # sentence-transformers modules the text encoder reproduces exactly
 _ST_MODULES = ("Transformer", "Pooling", "Normalize")
@@ -236,6 +236,29 @@ def _load_vision_language(path: Path, meta: dict[str, Any], overrides: dict[str,
     return enc
 
 
+def check_colpali_folder(path: Path, meta: dict[str, Any]) -> None:
+    """Refuse a Qwen-VL folder with a ColQwen projection (``custom_text_proj``, as
+    colpali-engine's ``ColQwen2`` / ``ColQwen2_5`` save it) that bigbatch did not write: read
+    as a vision-language model it would lose the projection and pool one vector, and
+    bigbatch does not reproduce colpali-engine's processor prompts (its query augmentation
+    tokens, its page prompt), so its embeddings would silently differ from the model's.
+
+    Raises:
+        ConfigError: naming the folder, what is not supported and what to do.
+    """
+    if meta:
+        return  # bigbatch's own folder: bigbatch_encoder.json says how it embeds
+    from .vision_multivector import projection_weights
+
+    if projection_weights(path):
+        raise ConfigError(f"{path}: a ColQwen-style model (custom_text_proj, as colpali-engine "
+                          f"saves it) without bigbatch_encoder.json; bigbatch does not "
+                          f"reproduce colpali-engine's processor prompts (query augmentation, "
+                          f"the page prompt), so its embeddings would differ: evaluate it "
+                          f"with colpali-engine, or fine-tune it with bigbatch train "
+                          f"--pooling multivector (bigbatch's prompts)")
+
+
 def _is_adapter(path: Path, meta: dict[str, Any]) -> bool:
     return bool(meta.get("lora")) or (path / "adapter_config.json").exists()
 
@@ -319,6 +342,7 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
     from .vision import is_vision_language_model
 
     if is_vision_language_model(path):
+        check_colpali_folder(path, meta)
         return _load_vision_language(path, meta, overrides)
     given = {k: v for k, v in overrides.items() if v is not None}
     vl_only = sorted(k for k in given if k in _VL_ONLY_KEYS)

@@ -472,6 +472,9 @@ def _usage_colqwen(load_from: str, adapter: bool, kept_adapter: bool, base: str,
         f"enc = load_encoder({load_from!r})", f"model = {cls}.from_pretrained({load_from!r}).eval()",
         f"batch = enc.collate([{_QUERY!r}], side='query')",
         "scored = batch.pop('skip_mask').logical_not() & batch['attention_mask'].bool()",
+        "pos = (batch['attention_mask'].cumsum(-1) - 1).clamp_min(0)  # a text: bigbatch's "
+        "positions",
+        "batch['position_ids'] = pos.unsqueeze(0).expand(3, -1, -1)",
         "with torch.no_grad():", "    tokens = model(**batch)[scored]  # (scored tokens, 128)",
         "print(tokens.shape)", "```"]
 
