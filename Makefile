@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # CPU build of torch where there is no GPU (a bare `torch` pulls a multi-GB CUDA build).
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo "torch"; else echo "torch==2.13.0"; fi)
 
-.PHONY: install test test-all lint demo demo-mix demo-colbert demo-jax demo-vl example example-jax bench docs docs-serve clean
+.PHONY: install test test-all test-clients lint demo demo-mix demo-colbert demo-jax demo-vl example example-jax bench docs docs-serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,14 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""
+
+# The client matrix (docs/guides/client-matrix.md): one virtual environment per client version
+# (PyPI installs of several hundred MB each, kept in runs/client-venvs), tiny models trained
+# with bigbatch train, each client's embeddings against bigbatch's; not part of make test.
+# CLIENT_MATRIX_ARGS="--only this,pylate-1.2" runs some of the environments.
+test-clients: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) tests/clients/matrix.py --out runs/client-matrix \
+		--venvs runs/client-venvs --data "$(SCIFACT)" $(CLIENT_MATRIX_ARGS)
 
 # ruff (rules in pyproject.toml [tool.ruff]) and the import-linter layer contracts
 lint: $(STAMP)
