@@ -139,8 +139,11 @@ def test_train_two_steps_from_the_command_line(tiny, data, tmp_path, lora):
     assert cfg["similarity_fn_name"] == "MaxSim" and cfg["query_length"] == 12
     enc = load_encoder(final)
     assert isinstance(enc, MultiVectorTextEncoder) and enc.query_expansion
-    assert enc.is_lora == (lora != "0")
-    # the checkpoint's encoder and final/ embed alike; training moved the weights
+    # final/ holds full weights (PyLate reads them); a LoRA run's adapter is kept beside
+    assert not enc.is_lora
+    assert (final / "adapter" / "adapter_model.safetensors").exists() == (lora != "0")
+    # the checkpoint's encoder (an adapter under LoRA) and final/ embed alike; training
+    # moved the weights
     ckpt = load_encoder(out / "checkpoint-000002")
     base = _encoder(tiny, query_length=12, query_expansion=True)
     a, b = enc.encode(TEXTS, side="doc"), ckpt.encode(TEXTS, side="doc")
