@@ -17,7 +17,7 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch,torch==2.13.0)
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(if $(HAS_GPU)$(PIP_HAS_SOURCE),,$(TORCH_CPU_INDEX))
 
-.PHONY: install test test-all lint data demo demo-mix demo-colbert demo-jax demo-vl example example-jax bench docs docs-serve clean
+.PHONY: install test test-all test-clients lint data demo demo-mix demo-colbert demo-jax demo-vl example example-jax bench docs docs-serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,14 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""
+
+# The client matrix (docs/guides/client-matrix.md): one virtual environment per client version
+# (PyPI installs of several hundred MB each, kept in runs/client-venvs), tiny models trained
+# with bigbatch train, each client's embeddings against bigbatch's; not part of make test.
+# CLIENT_MATRIX_ARGS="--only this,pylate-1.2" runs some of the environments.
+test-clients: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) tests/clients/matrix.py --out runs/client-matrix \
+		--venvs runs/client-venvs --data "$(SCIFACT)" $(CLIENT_MATRIX_ARGS)
 
 # ruff (rules in pyproject.toml [tool.ruff]) and the import-linter layer contracts
 lint: $(STAMP)

@@ -35,6 +35,35 @@ def test_yaml_then_flags_override(tmp_path):
     assert c.grad_cache_chunk == 2            # default untouched
 
 
+@pytest.mark.parametrize("file_keys,argv,expect", [
+    # --max-steps typed under a file's epochs: the flag wins (it ran the file's 2 epochs)
+    ({"epochs": 2}, ("--max-steps", "3"), (3, None)),
+    # --epochs typed under a file's max_steps: the flag wins
+    ({"max_steps": 40}, ("--epochs", "1.5"), (40, 1.5)),
+    # both in the file: epochs (the documented rule); a flag of either still wins
+    ({"epochs": 2, "max_steps": 40}, (), (40, 2.0)),
+    ({"epochs": 2, "max_steps": 40}, ("--max-steps", "5"), (5, None)),
+    # both on the command line: --epochs, as --help says
+    ({}, ("--max-steps", "5", "--epochs", "1"), (5, 1.0)),
+])
+def test_the_step_budget_follows_command_line_over_file(tmp_path, file_keys, argv, expect):
+    """Trap 6 of issue 34: `--max-steps 3 --config demo_colbert.yaml` ran 8 steps, the file's
+    `epochs: 2` beating the typed flag."""
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"model": "m", "train_data": "d", **file_keys}))
+    c = load_config(*flags("--config", str(f), *argv))
+    assert (c.max_steps, c.epochs) == expect
+
+
+def test_the_demo_config_with_max_steps_runs_that_many_steps():
+    from pathlib import Path
+
+    demo = Path(__file__).resolve().parents[2] / "configs" / "demo_colbert.yaml"
+    c = load_config(*flags("--config", str(demo), "--model", "m", "--train-data", "d",
+                           "--max-steps", "3"))
+    assert (c.max_steps, c.epochs) == (3, None)
+
+
 def test_resolved_config_round_trips(tmp_path):
     c = load_config(None, {"model": "m", "train_data": "d", "epochs": 2.0})
     c.write(tmp_path / "config.yaml")

@@ -238,6 +238,52 @@ def test_saved_folder_names_its_base_model_by_absolute_path(tiny, tmp_path, monk
     assert torch.allclose(torch.tensor(st.encode(TEXTS, prompt_name="document")), ours, atol=1e-5)
 
 
+@pytest.mark.parametrize("keep_adapter", [True, False])
+def test_a_lora_final_folder_is_full_weights_with_the_adapter_beside(tiny, tmp_path,
+                                                                      keep_adapter):
+    """Trap 1 of issue 34: a LoRA ``final/`` that was an adapter folder loaded as the base
+    model in transformers 5.0-5.5.4 (and sentence-transformers over them), the adapter's
+    keys only listed as unexpected. ``save_final`` writes full weights there, which every
+    version reads alike (no ``adapter_config.json`` for a loader to follow), and the peft
+    adapter alone in ``final/adapter/`` (none with ``keep_adapter=False``,
+    ``--merge-lora``)."""
+    import json
+
+    from peft import PeftModel
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel, AutoTokenizer
+
+    from bigbatch.encoders import load_encoder
+
+    enc = _trained(tiny, lora=True)
+    ours_q, ours_d = enc.encode(TEXTS, side="query"), enc.encode(TEXTS, side="doc")
+    out = enc.save_final(tmp_path / "final", keep_adapter=keep_adapter)
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    assert not (out / "adapter_config.json").exists()
+    meta = json.loads((out / "bigbatch_encoder.json").read_text())
+    assert meta["lora"] is False and meta.get("adapter") == ("adapter" if keep_adapter else None)
+    tok = AutoTokenizer.from_pretrained(out)
+    # merging adds B @ A into W once: equal to the unmerged model to float32 rounding
+    plain = _hf_embed(AutoModel.from_pretrained(out), tok, TEXTS, "passage: ")
+    assert torch.allclose(plain, ours_d, atol=1e-5)
+    st = SentenceTransformer(str(out), device="cpu")
+    assert torch.allclose(torch.tensor(st.encode(TEXTS, prompt_name="query")), ours_q, atol=1e-5)
+    reloaded = load_encoder(out)
+    assert not reloaded.is_lora  # the merged weights, as the clients read them
+    assert torch.equal(reloaded.encode(TEXTS, side="doc"),
+                       torch.tensor(st.encode(TEXTS, prompt_name="document")))
+    adapter = out / "adapter"
+    if not keep_adapter:
+        assert not adapter.exists()
+        return
+    # the adapter alone: peft loads it on the base; no folder loader takes it for a model
+    assert sorted(p.name for p in adapter.iterdir()) == ["README.md", "adapter_config.json",
+                                                         "adapter_model.safetensors"]
+    peft = PeftModel.from_pretrained(AutoModel.from_pretrained(tiny), adapter)
+    assert torch.allclose(_hf_embed(peft, tok, TEXTS, "passage: "), ours_d, atol=1e-5)
+    assert str(tmp_path) not in (adapter / "README.md").read_text()
+
+
 @pytest.mark.parametrize("lora_r", [4, 0])
 def test_an_adapter_folder_is_refused_as_a_model_to_train(tiny, tmp_path, lora_r):
     """A LoRA run's ``final/`` is an adapter, not a model: transformers loads it with the

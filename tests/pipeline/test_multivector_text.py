@@ -139,8 +139,11 @@ def test_train_two_steps_from_the_command_line(tiny, data, tmp_path, lora):
     assert cfg["similarity_fn_name"] == "MaxSim" and cfg["query_length"] == 12
     enc = load_encoder(final)
     assert isinstance(enc, MultiVectorTextEncoder) and enc.query_expansion
-    assert enc.is_lora == (lora != "0")
-    # the checkpoint's encoder and final/ embed alike; training moved the weights
+    # final/ holds full weights (PyLate reads them); a LoRA run's adapter is kept beside
+    assert not enc.is_lora
+    assert (final / "adapter" / "adapter_model.safetensors").exists() == (lora != "0")
+    # the checkpoint's encoder (an adapter under LoRA) and final/ embed alike; training
+    # moved the weights
     ckpt = load_encoder(out / "checkpoint-000002")
     base = _encoder(tiny, query_length=12, query_expansion=True)
     a, b = enc.encode(TEXTS, side="doc"), ckpt.encode(TEXTS, side="doc")
@@ -234,19 +237,27 @@ def _st_loader():
     return load
 
 
-@pytest.mark.parametrize("mode", ["full", "lora-merged"])
+@pytest.mark.parametrize("mode", ["full", "lora-merged", "lora-final"])
 @pytest.mark.parametrize("loader", ["pylate", "sentence-transformers"])
 def test_saved_folder_loads_in_pylate_with_the_same_token_embeddings(tiny, tmp_path, loader,
                                                                      mode):
+    """lora-final: a LoRA run's final/ (``save_final``). Trap 2 of issue 34: an unmerged
+    adapter final/ loaded in PyLate with wrong token vectors (off by 0.315), no error; it is
+    full weights now, the adapter in final/adapter/."""
     load = {"pylate": _pylate_loader, "sentence-transformers": _st_loader}[loader]()
     enc = _encoder(tiny, query_length=12, query_expansion=True, query_prefix="query: ",
-                   lora_r=4 if mode == "lora-merged" else 0, lora_alpha=8).eval()
+                   lora_r=0 if mode == "full" else 4, lora_alpha=8).eval()
     with torch.no_grad():  # move the weights away from their start
         for p in enc.parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.05)
     ours = {side: enc.encode(TEXTS, side=side) for side in ("query", "doc")}
-    path = enc.save(tmp_path / "final", merge_lora=mode == "lora-merged")
+    if mode == "lora-final":
+        path = enc.save_final(tmp_path / "final")
+        assert not (path / "adapter_config.json").exists()
+        assert (path / "adapter" / "adapter_model.safetensors").exists()
+    else:
+        path = enc.save(tmp_path / "final", merge_lora=mode == "lora-merged")
     encode_query, encode_doc, model = load(path)
     for side, got in (("query", encode_query(TEXTS)), ("doc", encode_doc(TEXTS))):
         for i, g in enumerate(got):

@@ -120,7 +120,8 @@ def test_the_card_shows_the_runs_real_figures(run):
     assert "64 training samples" in card and "32 dimensions" in card
     assert "library_name: sentence-transformers" in card and "- peft" in card
     assert "SentenceTransformer('me/tiny-bigbatch')" in card  # usage names the pushed repo
-    assert "PeftModel.from_pretrained" in card and "AutoPeftModel" in card
+    # final/ holds the merged weights, the adapter in final/adapter/ for peft
+    assert "PeftModel.from_pretrained" in card and "subfolder='adapter'" in card
 
 
 def test_best_has_its_own_card(run):
@@ -166,7 +167,7 @@ def test_a_failed_push_keeps_the_run_and_says_how_to_retry(assets, tmp_path, mon
     summary = train(config(assets, out, max_steps=1, report_to=["none"],
                            push_to_hub="me/tiny"))
     assert summary["push_to_hub"]["error"] == "OSError: no network here"
-    assert "huggingface-cli upload me/tiny" in capsys.readouterr().out
+    assert "`hf upload me/tiny " in capsys.readouterr().out  # huggingface_hub's hf command
     assert (out / "final" / "README.md").exists() and len(hub.calls) == 2
     assert not (out / "tensorboard").exists()  # --report-to none: metrics.jsonl alone
     assert (out / "metrics.jsonl").exists()

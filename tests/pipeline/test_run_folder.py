@@ -64,7 +64,7 @@ def logged_steps(out):
 
 
 def final_weights(out):
-    return load_file(Path(out) / "final" / "adapter_model.safetensors")
+    return load_file(Path(out) / "final" / "adapter" / "adapter_model.safetensors")
 
 
 # ---------------------------------------------------------------- the three defects

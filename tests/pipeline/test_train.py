@@ -116,7 +116,7 @@ def test_kill_during_checkpoint_write_keeps_previous(assets, tmp_path, monkeypat
     (out / ".checkpoint-000004.tmp-999").mkdir()
     assert latest_checkpoint(out).name == "checkpoint-000002"
     summary = train(config(assets, out, save_steps=2, resume=str(out)))
-    assert summary["steps"] == 6 and (out / "final" / "adapter_model.safetensors").exists()
+    assert summary["steps"] == 6 and (out / "final" / "adapter" / "adapter_model.safetensors").exists()
 
 
 def test_bad_record_stops_before_step_one(assets, tmp_path, capsys):
@@ -183,7 +183,7 @@ def test_the_weights_are_saved_before_the_final_evaluation(assets, tmp_path, mon
     with pytest.raises(MemoryError):
         train(config(assets, out, eval_data=str(assets[1]), max_steps=4, save_steps=0))
     assert latest_checkpoint(out).name == "checkpoint-000004"
-    assert (out / "final" / "adapter_model.safetensors").exists()
+    assert (out / "final" / "adapter" / "adapter_model.safetensors").exists()
 
 
 def test_resume_refuses_other_data_settings_or_process_count(assets, tmp_path):
@@ -291,7 +291,7 @@ def test_a_kill_between_the_renames_of_a_replacement_is_recovered(assets, tmp_pa
     (out / ".final.tmp-4241").mkdir()
     (out / ".metrics.jsonl.tmp-4241").write_text("{")
     summary = train(config(assets, out, resume=str(out)))
-    assert summary["steps"] == 6 and (out / "final" / "adapter_model.safetensors").exists()
+    assert summary["steps"] == 6 and (out / "final" / "adapter" / "adapter_model.safetensors").exists()
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
 
 
@@ -424,3 +424,23 @@ def test_a_base_model_better_than_every_trained_step_is_noted():
     assert base_beats_best({"neg_sim": 0.30}, 0.20, 5, "neg_sim", True) is None
     assert base_beats_best(None, 0.35, 20, "ndcg@10", False) is None  # no base evaluation
     assert base_beats_best({"ndcg@10": float("nan")}, 0.35, 20, "ndcg@10", False) is None
+
+
+@pytest.mark.parametrize("file_budget,flag,steps,said", [
+    ("epochs: 2", ["--max-steps", "2"], 2, "2 steps (--max-steps)"),
+    ("max_steps: 40", ["--epochs", "0.25"], 2, "2 steps (--epochs 0.25)"),
+])
+def test_the_start_line_says_which_step_budget_ruled(assets, tmp_path, capsys, file_budget,
+                                                    flag, steps, said):
+    """Trap 6 of issue 34: `--max-steps 3` under a YAML's `epochs: 2` ran the file's epochs.
+    The flag wins, and the start line names the option that set the steps (64 pairs at batch
+    8: 8 steps per epoch)."""
+    tiny, data = assets
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"{file_budget}\nbatch_size: 8\ngrad_cache_chunk: 4\nlora_r: 0\n"
+                   f"max_length: 32\nwarmup_steps: 0\nsave_steps: 0\neval_at_start: false\n"
+                   f"report_to: [none]\n")
+    assert main(["train", "--config", str(cfg), "--model", str(tiny), "--train-data", str(data),
+                 "--output-dir", str(tmp_path / "run"), *flag]) == 0
+    assert said in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == steps

@@ -170,6 +170,35 @@ def test_adapter_loads_in_plain_transformers_and_peft(tiny_vl, page_images, tmp_
     assert loaded.max_num_visual_tokens == 12 and loaded.is_lora
 
 
+def test_a_lora_final_folder_loads_as_full_weights_and_its_adapter_in_peft(tiny_vl, page_images,
+                                                                           tmp_path):
+    """A LoRA run's final/ (``save_final``): merged weights for AutoModel.from_pretrained,
+    the adapter in final/adapter/ for peft (issue 34, item 1)."""
+    from peft import PeftModel
+    from transformers import AutoModel
+
+    base_path = tiny_vl("qwen2_vl")
+    enc = VisionLanguageEncoder(base_path, lora_r=4, lora_alpha=8,
+                                max_num_visual_tokens=12).eval()
+    _perturb_lora(enc)
+    out = enc.save_final(tmp_path / "final")
+    assert not (out / "adapter_config.json").exists()
+    items = [ImageDoc(page_images[2]), "a text document"]
+    batch = enc.collate(items, "doc")
+    last = batch["attention_mask"].sum(1) - 1
+
+    def embed(model):
+        hidden = model(**batch, use_cache=False).last_hidden_state
+        return torch.nn.functional.normalize(hidden[torch.arange(2), last], dim=-1)
+
+    with torch.no_grad():
+        want = enc(**batch)
+        merged = embed(AutoModel.from_pretrained(out).eval())
+        peft = embed(PeftModel.from_pretrained(AutoModel.from_pretrained(base_path), str(out),
+                                               subfolder="adapter").eval())
+    assert (merged - want).abs().max() < 1e-5 and (peft - want).abs().max() < 1e-5
+
+
 def test_prompt_ids_tokenize_each_text_once_and_literally(tiny_vl, page_images):
     """The prompt is the ChatML template around the text's own tokens: equal to tokenizing the
     whole prompt for ordinary text, cut at exactly ``max_length`` text tokens, and a special

@@ -129,15 +129,25 @@ def test_bad_options(tiny_vl, tmp_path):
         enc.use_base_doc_tower()
 
 
-@pytest.mark.parametrize("mode", ["lora", "full"])
+@pytest.mark.parametrize("mode", ["lora", "full", "lora-final"])
 def test_save_reload_same_token_embeddings(tiny_vl, page_images, tmp_path, mode):
+    """lora-final: a LoRA run's final/ (``save_final``): the merged weights, the projection
+    among them, which colpali-engine's classes read; the adapter in final/adapter/."""
     from bigbatch.encoders import load_encoder
+    from bigbatch.encoders.vision_multivector import projection_weights
 
-    enc = _encoder(tiny_vl("qwen2_vl"), mode).float().eval()
+    enc = _encoder(tiny_vl("qwen2_vl"), mode.removesuffix("-final")).float().eval()
     with torch.no_grad():
         for p in enc.projection.parameters():
             p.add_(0.01)  # a trained projection, not the initial one
-    out = enc.save(tmp_path / "final")
+    if mode == "lora-final":
+        out = enc.save_final(tmp_path / "final")
+        assert not (out / "adapter_config.json").exists()
+        assert (out / "adapter" / "adapter_model.safetensors").exists()
+        saved = projection_weights(out)  # in model.safetensors, as colpali-engine reads it
+        assert torch.equal(saved["weight"], enc.projection.weight.detach())
+    else:
+        out = enc.save(tmp_path / "final")
     items = [ImageDoc(page_images[2]), "a text document", ImageDoc(page_images[5])]
     want = enc.encode(items, side="doc", batch_size=2)
     loaded = load_encoder(out)

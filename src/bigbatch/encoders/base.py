@@ -30,9 +30,28 @@ from .source import files_key, load_pretrained, model_reference
 from .unwrap import saving_without_deepspeed
 
 __all__ = ["EncoderBase", "FrozenDocTower", "pool", "SIDES", "check_side", "scored_rows",
-           "tokens_in_order"]
+           "tokens_in_order", "ADAPTER_FOLDER"]
 
 SIDES = ("query", "doc")
+ADAPTER_FOLDER = "adapter"  # final/adapter/: a LoRA run's adapter beside the merged weights
+ADAPTER_README = """# LoRA adapter (peft)
+
+The LoRA adapter this model was trained as; the folder above holds the same model with the
+adapter merged into its base weights, which sentence-transformers, transformers and PyLate
+load as they are. Load the adapter with peft, on the base model named by
+`base_model_name_or_path` in `adapter_config.json`:
+
+```python
+from peft import PeftModel
+from transformers import AutoModel
+
+model = PeftModel.from_pretrained(AutoModel.from_pretrained(BASE_MODEL), "final/adapter")
+```
+
+transformers' own loader (`AutoModel.from_pretrained("final/adapter")`, and
+sentence-transformers through it) drops the adapter's weights without an error in
+transformers 5.0 to 5.5.4: load the folder above there.
+"""
 
 
 def check_side(side: str) -> None:
@@ -218,6 +237,41 @@ class EncoderBase(nn.Module, ABC):
         if getattr(self, "tasks", None):
             meta["tasks"] = self.tasks
         (path / "bigbatch_encoder.json").write_text(json.dumps(meta, indent=2))
+        return path
+
+    def save_final(self, path: str | os.PathLike, keep_adapter: bool = True) -> Path:
+        """Write a run's ``final/``: full weights (a LoRA adapter merged into its base), so
+        that every loader reads the trained model the same way, whatever its version
+        (transformers 5.0 to 5.5.4, sentence-transformers over them and PyLate 1.6 load an
+        adapter folder as its base model, without an error); and, for a LoRA encoder with
+        ``keep_adapter``, the peft adapter alone in ``path/adapter/`` (``adapter_config.json``,
+        ``adapter_model.safetensors``) for ``PeftModel.from_pretrained(base, path/adapter)``.
+        ``bigbatch_encoder.json`` names that folder (``"adapter": "adapter"``). Returns
+        ``path``."""
+        path = self.save(path, merge_lora=True)
+        if self.is_lora and keep_adapter:
+            self.save_adapter(path / ADAPTER_FOLDER)
+            meta_file = path / "bigbatch_encoder.json"
+            meta = json.loads(meta_file.read_text())
+            meta["adapter"] = ADAPTER_FOLDER
+            meta_file.write_text(json.dumps(meta, indent=2))
+        return path
+
+    def save_adapter(self, path: str | os.PathLike) -> Path:
+        """Write the peft adapter alone (no tokenizer, no sentence-transformers files, so no
+        folder loader takes it for a model) and a ``README.md`` saying how to load it.
+
+        Raises:
+            ConfigError: the encoder has no adapter (full fine-tuning).
+        """
+        if not self.is_lora:
+            raise ConfigError("save_adapter: this encoder is fully fine-tuned; it has no "
+                              "LoRA adapter")
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path, safe_serialization=True,
+                                   **self._adapter_save_options())
+        (path / "README.md").write_text(ADAPTER_README)  # in place of peft's, which names paths
         return path
 
     def _save_model(self, path: str | os.PathLike, merge_lora: bool) -> Path:

@@ -15,57 +15,193 @@ from ..errors import ConfigError
 from .text import TextEncoder
 from .text_multivector import multivector_settings
 
-__all__ = ["load_encoder", "st_settings"]
+__all__ = ["load_encoder", "st_settings", "st_modules", "st_pooling", "st_max_length",
+           "st_check_width", "check_colpali_folder"]
 
 # sentence-transformers modules the text encoder reproduces exactly
 _ST_MODULES = ("Transformer", "Pooling", "Normalize")
 _ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last",
                "pooling_mode_mean_tokens": "mean"}
+# sentence-transformers 6's pooling_mode names of the same three
+_ST_POOLING_NAMES = {"cls": "cls", "last": "lasttoken", "mean": "mean"}
+_ST_TEXT_MODALITY = {"method": "forward", "method_output_name": "last_hidden_state"}
+_NO_LIMIT = 10 ** 6  # a tokenizer's model_max_length above this means "no limit" (1e30)
 
 
 def st_settings(path: str | Path) -> dict[str, Any]:
     """Pooling, normalisation, max length and prompts from a sentence-transformers folder
-    (empty for a plain transformers folder).
+    (empty for a plain transformers folder), read as sentence-transformers 3 to 6 read them:
+    the module types of ``modules.json``, the pooling of either layout (``pooling_mode``, or
+    the older ``pooling_mode_*`` flags), the max length of :func:`st_max_length`.
 
     Raises:
-        ConfigError: the folder's pipeline is one the text encoder cannot reproduce (a Dense
-            or other extra module, max / weighted / sqrt-length pooling, a prompt excluded
-            from pooling): its embeddings would silently differ from the model's own.
+        ConfigError: the folder's pipeline is one the text encoder cannot reproduce (a Dense,
+            Router or other extra module, max / weighted / sqrt-length pooling or several
+            modes, a prompt excluded from pooling with other than mean pooling, the
+            transformer in a subfolder or for another task): its embeddings would silently
+            differ from the model's own.
     """
     path = Path(path)
     out: dict[str, Any] = {}
     modules = path / "modules.json"
-    if modules.exists():
-        types = [m.get("type", "") for m in json.loads(modules.read_text())]
-        other = [t for t in types if t.rsplit(".", 1)[-1] not in _ST_MODULES]
-        if other:
-            raise ConfigError(f"{modules}: sentence-transformers module(s) {other} are not "
-                              f"supported (bigbatch encodes Transformer -> Pooling -> "
-                              f"Normalize); the embeddings would differ from the model's")
-        out["normalize"] = any(t.endswith("Normalize") for t in types)
-    pool = path / "1_Pooling" / "config.json"
-    if pool.exists():
-        cfg = json.loads(pool.read_text())
-        modes = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v]
-        unsupported = [k for k in modes if k not in _ST_POOLING]
-        if unsupported or len(modes) > 1:
-            raise ConfigError(f"{pool}: pooling {modes} is not supported; bigbatch pools by "
-                              f"one of mean, cls or last token")
-        out["pooling"] = _ST_POOLING[modes[0]] if modes else "mean"
+    if not modules.exists():
+        return out
+    entries = st_modules(path)
+    out["normalize"] = any(kind == "Normalize" for kind, _ in entries)
+    pool = next((path / sub / "config.json" for kind, sub in entries if kind == "Pooling"),
+                None)
+    if pool is not None and pool.exists():
+        cfg = _read_json(pool)
+        out["pooling"] = st_pooling(cfg, pool)
         if cfg.get("include_prompt") is False:
             if out["pooling"] != "mean":
                 raise ConfigError(f"{pool}: include_prompt false (the prompt left out of "
                                   f"pooling) is supported with mean pooling only")
             out["exclude_prompt_from_pooling"] = True
-    sbc = path / "sentence_bert_config.json"
-    if sbc.exists():
-        out["max_length"] = int(json.loads(sbc.read_text()).get("max_seq_length", 256))
+        st_check_width(path, cfg, pool)
+    length = st_max_length(path)
+    if length is not None:
+        out["max_length"] = length
     prompts = path / "config_sentence_transformers.json"
     if prompts.exists():
-        p = json.loads(prompts.read_text()).get("prompts") or {}
+        p = _read_json(prompts).get("prompts") or {}
         out["query_prefix"] = p.get("query", "")
         out["doc_prefix"] = p.get("document", p.get("passage", ""))
     return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file (empty when it does not exist).
+
+    Raises:
+        ConfigError: the file is not valid JSON, or not an object.
+    """
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return value
+
+
+def st_modules(path: str | Path) -> list[tuple[str, str]]:
+    """``(kind, folder)`` of each module in a sentence-transformers folder's ``modules.json``
+    (kind: the class name, ``Transformer``, ``Pooling`` or ``Normalize``, in any of the module
+    paths sentence-transformers 3 to 6 write), checked to be a pipeline the text encoder
+    reproduces: a Transformer at the folder's root, then Pooling, then optionally Normalize.
+
+    Raises:
+        ConfigError: naming the module(s) or the layout that is not supported.
+    """
+    modules = Path(path) / "modules.json"
+    try:
+        listed = json.loads(modules.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{modules}: not valid JSON: {e}") from e
+    if not isinstance(listed, list) or not all(isinstance(m, dict) for m in listed):
+        raise ConfigError(f"{modules}: expected a list of modules")
+    entries = [(str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", "")))
+               for m in listed]
+    other = [m.get("type", "") for m, (kind, _) in zip(listed, entries)
+             if kind not in _ST_MODULES]
+    if other:
+        raise ConfigError(f"{modules}: sentence-transformers module(s) {other} are not "
+                          f"supported (bigbatch encodes Transformer -> Pooling -> "
+                          f"Normalize); the embeddings would differ from the model's")
+    kinds = [kind for kind, _ in entries]
+    if kinds not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
+        raise ConfigError(f"{modules}: modules {kinds} are not supported; bigbatch encodes "
+                          f"Transformer -> Pooling, optionally -> Normalize")
+    if entries[0][1] not in ("", "."):
+        raise ConfigError(f"{modules}: the transformer is in the subfolder "
+                          f"{entries[0][1]!r} (an old sentence-transformers layout), which is "
+                          f"not supported: load the model in sentence-transformers and save it "
+                          f"again")
+    _check_st_transformer(Path(path))
+    return entries
+
+
+def _check_st_transformer(path: Path) -> None:
+    """Refuse a sentence-transformers 6 Transformer module bigbatch would embed differently:
+    another task than feature extraction, text not embedded by ``forward`` ->
+    ``last_hidden_state``, or lowercasing the tokenizer does not do."""
+    sbc = path / "sentence_bert_config.json"
+    cfg = _read_json(sbc)
+    task = cfg.get("transformer_task", "feature-extraction")
+    if task != "feature-extraction":
+        raise ConfigError(f"{sbc}: transformer_task {task!r} is not supported; bigbatch embeds "
+                          f"with the model's last hidden states (feature-extraction)")
+    text = (cfg.get("modality_config") or {}).get("text", _ST_TEXT_MODALITY)
+    if {k: text.get(k) for k in _ST_TEXT_MODALITY} != _ST_TEXT_MODALITY:
+        raise ConfigError(f"{sbc}: text embedded by {text} is not supported; bigbatch embeds "
+                          f"text by {_ST_TEXT_MODALITY}")
+    if cfg.get("do_lower_case") and not _read_json(path / "tokenizer_config.json").get(
+            "do_lower_case"):
+        raise ConfigError(f"{sbc}: do_lower_case (sentence-transformers lower-cases the "
+                          f"texts itself) is not supported for a tokenizer that does not: "
+                          f"the texts would be embedded differently")
+
+
+def st_pooling(cfg: dict[str, Any], where: Path) -> str:
+    """The text encoder's pooling for a sentence-transformers Pooling ``config.json``: its
+    ``pooling_mode`` (sentence-transformers 6), else the ``pooling_mode_*`` flags (earlier
+    versions; 6 reads them when ``pooling_mode`` is absent); mean when neither says.
+
+    Raises:
+        ConfigError: a mode the encoder does not pool by, or several at once.
+    """
+    mode = cfg.get("pooling_mode")
+    if mode is not None:
+        modes = [mode] if isinstance(mode, str) else list(mode) if isinstance(
+            mode, list) else [str(mode)]
+        names = {v: k for k, v in _ST_POOLING_NAMES.items()}
+        label = "pooling_mode"
+    else:
+        modes = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v]
+        names = {k: _ST_POOLING[k] for k in _ST_POOLING}
+        label = "pooling"
+    unsupported = [m for m in modes if m not in names]
+    if unsupported or len(modes) > 1:
+        raise ConfigError(f"{where}: {label} {modes} is not supported; bigbatch pools by "
+                          f"one of mean, cls or last token")
+    return names[modes[0]] if modes else "mean"
+
+
+def st_check_width(path: Path, cfg: dict[str, Any], where: Path) -> None:
+    """Refuse a Pooling module whose ``embedding_dimension`` (``word_embedding_dimension``
+    before sentence-transformers 6) is not the transformer's hidden size."""
+    width = cfg.get("embedding_dimension", cfg.get("word_embedding_dimension"))
+    hidden = _read_json(path / "config.json").get("hidden_size")
+    if isinstance(width, int) and isinstance(hidden, int) and width != hidden:
+        raise ConfigError(f"{where}: embedding_dimension {width} is not the model's hidden "
+                          f"size {hidden} ({path / 'config.json'}); the folder is "
+                          f"inconsistent")
+
+
+def st_max_length(path: str | Path) -> int | None:
+    """The max length sentence-transformers embeds a folder's texts at: ``max_seq_length``
+    of ``sentence_bert_config.json`` (the layout before sentence-transformers 6); else the
+    tokenizer's ``model_max_length`` (where sentence-transformers 6 keeps it:
+    ``processor_kwargs`` or ``tokenizer_config.json``), cut to the model's
+    ``max_position_embeddings`` unless ``processor_kwargs`` set it, as sentence-transformers
+    3 to 6 do. None when nothing says (or only a tokenizer's "no limit" value does)."""
+    path = Path(path)
+    cfg = _read_json(path / "sentence_bert_config.json")
+    if isinstance(cfg.get("max_seq_length"), int):
+        return int(cfg["max_seq_length"])
+    kwargs = cfg.get("processor_kwargs") or cfg.get("tokenizer_args") or {}
+    if isinstance(kwargs.get("model_max_length"), int):
+        return int(kwargs["model_max_length"])
+    length = _read_json(path / "tokenizer_config.json").get("model_max_length")
+    positions = _read_json(path / "config.json").get("max_position_embeddings")
+    if isinstance(positions, int) and positions != -1:
+        length = min(length, positions) if isinstance(length, (int, float)) else positions
+    if not isinstance(length, (int, float)) or length > _NO_LIMIT:
+        return None
+    return int(length)
 
 
 # settings only the vision-language encoder takes; it also takes the shared two after them
@@ -98,6 +234,29 @@ def _load_vision_language(path: Path, meta: dict[str, Any], overrides: dict[str,
     _restore_doc_tower(enc, meta)
     enc.tasks = _tasks(meta, path / "bigbatch_encoder.json")
     return enc
+
+
+def check_colpali_folder(path: Path, meta: dict[str, Any]) -> None:
+    """Refuse a Qwen-VL folder with a ColQwen projection (``custom_text_proj``, as
+    colpali-engine's ``ColQwen2`` / ``ColQwen2_5`` save it) that bigbatch did not write: read
+    as a vision-language model it would lose the projection and pool one vector, and
+    bigbatch does not reproduce colpali-engine's processor prompts (its query augmentation
+    tokens, its page prompt), so its embeddings would silently differ from the model's.
+
+    Raises:
+        ConfigError: naming the folder, what is not supported and what to do.
+    """
+    if meta:
+        return  # bigbatch's own folder: bigbatch_encoder.json says how it embeds
+    from .vision_multivector import projection_weights
+
+    if projection_weights(path):
+        raise ConfigError(f"{path}: a ColQwen-style model (custom_text_proj, as colpali-engine "
+                          f"saves it) without bigbatch_encoder.json; bigbatch does not "
+                          f"reproduce colpali-engine's processor prompts (query augmentation, "
+                          f"the page prompt), so its embeddings would differ: evaluate it "
+                          f"with colpali-engine, or fine-tune it with bigbatch train "
+                          f"--pooling multivector (bigbatch's prompts)")
 
 
 def _is_adapter(path: Path, meta: dict[str, Any]) -> bool:
@@ -183,6 +342,7 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
     from .vision import is_vision_language_model
 
     if is_vision_language_model(path):
+        check_colpali_folder(path, meta)
         return _load_vision_language(path, meta, overrides)
     given = {k: v for k, v in overrides.items() if v is not None}
     vl_only = sorted(k for k in given if k in _VL_ONLY_KEYS)

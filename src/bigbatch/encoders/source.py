@@ -55,7 +55,7 @@ def check_model_source(model: str | os.PathLike, option: str = "--model") -> Non
                 f"{option}: {text} is a LoRA adapter over {base or 'an unknown base model'}, "
                 f"not a full model (a new adapter on it would replace it and drop its "
                 f"training). To train from it, give its base model, --resume the run it came "
-                f"from, or use a run saved with --merge-lora (full weights)")
+                f"from, or the run's final/ (full weights, the adapter merged)")
         if (p / "model").is_dir() and (p / "trainer_state.pt").exists():
             raise ConfigError(f"{option}: {text} is a bigbatch checkpoint directory; give its "
                               f"model folder {p / 'model'} (or --resume {p.parent} to continue "

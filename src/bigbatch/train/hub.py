@@ -2,7 +2,8 @@
 card) uploaded to a Hugging Face Hub repository through ``huggingface_hub`` (imported here):
 the repository is created when missing (``HfApi.create_repo(exist_ok=True)``), then the
 folder is uploaded in one commit (``HfApi.upload_folder``). The token is huggingface_hub's
-own (``HF_TOKEN`` or ``huggingface-cli login``)."""
+own (``HF_TOKEN`` or ``hf auth login``; huggingface_hub 1.0 and later ship the
+``hf`` command in place of ``huggingface-cli``)."""
 
 from __future__ import annotations
 

@@ -344,9 +344,10 @@ class Trainer:
         mix = "" if len(self.sources) == 1 else " (" + ", ".join(
             f"{s.name}: {len(s.records)} x {w:.0%}" for s, w in zip(self.sources,
                                                                     self.batches.weights)) + ")"
+        budget = f"--epochs {config.epochs:g}" if config.epochs else "--max-steps"  # which ruled
         text = (f"bigbatch train: {len(self.records)} records{mix}, {len(self.batches)} "
                 f"steps/epoch, "
-                f"{self.max_steps} steps, global batch {self.batches.global_batch} "
+                f"{self.max_steps} steps ({budget}), global batch {self.batches.global_batch} "
                 f"({self.info.world_size} process(es) x {config.batch_size}), chunk "
                 f"{chunk}{f' (queries {q_chunk})' if q_chunk != chunk else ''}, "
                 f"k={'/'.join(str(s.batches.k) for s in self.sources)}, "
@@ -531,7 +532,7 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 - the network, a token, a name taken
             print(f"bigbatch train: could not push {final} to the Hub repository {repo}: "
                   f"{type(e).__name__}: {e}. The model is saved; upload it later with "
-                  f"`huggingface-cli upload {repo} {final}`", flush=True)
+                  f"`hf upload {repo} {final}` (after `hf auth login`)", flush=True)
             return {"repo": repo, "error": f"{type(e).__name__}: {e}"}
         print(f"bigbatch train: pushed {final} to {url}", flush=True)
         return {"repo": repo, "url": url}
@@ -584,7 +585,9 @@ class Trainer:
         if info.is_main:
             with atomic_dir(out / "final") as tmp, \
                     write_errors(out / "final", f"continue with --resume {out}"):
-                self.encoder.save(tmp, merge_lora=config.merge_lora)
+                # full weights every client loads alike; a LoRA run's adapter beside them
+                # in final/adapter/ (none with --merge-lora)
+                self.encoder.save_final(tmp, keep_adapter=not config.merge_lora)
         barrier(info)
         if state["step"] >= self.max_steps and self.last_eval_step != state["step"]:
             self.last_metrics = self.evaluate(state["step"])
