@@ -397,10 +397,11 @@ def _check_encoder_args(args: argparse.Namespace) -> str:
 
 def _make_pairs(args: argparse.Namespace) -> int:
     from .data.tools.pairs import make_pairs
-    from .train.outdir import check_writable_file
+    from .train.outdir import check_not_input, check_writable_file
 
     _check_positive(args, ("max_pairs",))
     check_writable_file(args.output, "make-pairs output", create_folders=False)
+    check_not_input(args.output, "make-pairs output", [("corpus", args.corpus)])
     report = make_pairs(args.corpus, args.output, query_field=args.query_field,
                         doc_field=args.doc_field, id_field=args.id_field,
                         max_pairs=args.max_pairs, fmt=args.dst_format)
@@ -449,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"bigbatch {args.command}: stopped (Ctrl-C)" + (
                   ", before training began; nothing was written" if args.command == "train"
                   else ""), file=sys.stderr, flush=True)
-        return 130
+        return getattr(e, "exit_code", 130)  # a preempted run (SIGTERM, SIGUSR1): 75
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -502,15 +503,16 @@ def _encoder_overrides(args: argparse.Namespace) -> dict:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import json
 
     from .data.readers.beir_dir import require_split
     from .encoders import load_encoder
     from .retrieval.evaluate import evaluate_beir, evaluate_beir_dims
-    from .train.outdir import check_writable_file
+    from .train.outdir import check_not_input, check_writable_file
 
     if args.output:  # before evaluating, so that no evaluation is lost
         check_writable_file(args.output, "--output", create_folders=False)
+        check_not_input(args.output, "--output", [("--data", args.data)]
+                        + [("--model", m) for m in args.model])
     if args.unseen_from:  # a split named on purpose must exist (the default's may not)
         require_split(args.data, args.unseen_from, "--unseen-from")
     unseen_from = "train" if args.unseen_from is None else args.unseen_from or None
@@ -540,9 +542,10 @@ def _eval(args: argparse.Namespace) -> int:
                         "split": args.split, "metrics": metrics}
                        for dim, metrics in per_dim.items())
     print(format_eval_table(results))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=2)
+    if args.output:  # strict JSON, written whole or not at all
+        from .retrieval.report import json_text
+        from .train.durable import write_text_safely
+        write_text_safely(args.output, json_text(results, indent=2), "evaluate again")
         print(f"wrote {args.output}")
     return 0
 
@@ -565,7 +568,10 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from .data.formats import detect_format, stream_records, write_records
+    from .train.outdir import check_not_input
 
+    check_not_input(args.output, "convert output", [("input", args.input)],
+                    output_is_folder=args.dst_format == "beir" or Path(args.output).is_dir())
     src_format = args.src_format
     if src_format is None and Path(args.input).exists():
         src_format = detect_format(args.input)
@@ -652,7 +658,7 @@ def _convert_colpali(args: argparse.Namespace) -> int:
 def _mine(args: argparse.Namespace) -> int:
     from .encoders import load_encoder
     from .retrieval.mining import MiningOptions, mine_hard_negatives
-    from .train.outdir import check_writable_file
+    from .train.outdir import check_not_input, check_writable_file
 
     try:
         start, end = (int(x) for x in args.rank_window.split(":"))
@@ -666,6 +672,7 @@ def _mine(args: argparse.Namespace) -> int:
     device = _check_encoder_args(args)
     out = Path(args.output)
     check_writable_file(out, "--output")
+    check_not_input(out, "--output", [("--data", args.data), ("--model", args.model)])
     encoder = load_encoder(args.model, **_encoder_overrides(args)).to(device)
     # mined into a temporary file beside the output (image paths are relative to its
     # folder), put in place only when there is something to train on

@@ -29,9 +29,21 @@ from ..errors import ConfigError
 from .source import files_key, load_pretrained, model_reference
 
 __all__ = ["EncoderBase", "FrozenDocTower", "pool", "SIDES", "check_side", "scored_rows",
-           "tokens_in_order"]
+           "tokens_in_order", "clip_for_tokenizer", "CHARS_PER_TOKEN_BOUND"]
 
 SIDES = ("query", "doc")
+# characters a text keeps per token of its max length before it meets the tokenizer: a
+# tokenizer reads a whole text before it truncates it (a 50 MB text: gigabytes, minutes),
+# and no tokenizer's first tokens cover more than this many characters each (WordPiece
+# makes a word of over 100 characters one [UNK]), so the cut never changes a token kept
+CHARS_PER_TOKEN_BOUND = 1000
+
+
+def clip_for_tokenizer(text: str, max_tokens: int) -> str:
+    """``text`` cut to :data:`CHARS_PER_TOKEN_BOUND` characters per token of ``max_tokens``
+    (itself when shorter): what a tokenizer that truncates to ``max_tokens`` reads."""
+    limit = max(1, max_tokens) * CHARS_PER_TOKEN_BOUND
+    return text if len(text) <= limit else text[:limit]
 
 
 def check_side(side: str) -> None:

@@ -7,11 +7,11 @@ Qwen2-VL / Qwen2.5-VL / Qwen3-VL folders (and adapters over them) give a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
+from .source import read_json
 from .text import TextEncoder
 from .text_multivector import multivector_settings
 
@@ -36,7 +36,11 @@ def st_settings(path: str | Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     modules = path / "modules.json"
     if modules.exists():
-        types = [m.get("type", "") for m in json.loads(modules.read_text())]
+        listed = read_json(modules, mapping=False)
+        if not isinstance(listed, list) or not all(isinstance(m, dict) for m in listed):
+            raise ConfigError(f"{modules}: expected a list of modules (objects); the folder is "
+                              f"damaged: copy or save it again")
+        types = [str(m.get("type", "")) for m in listed]
         other = [t for t in types if t.rsplit(".", 1)[-1] not in _ST_MODULES]
         if other:
             raise ConfigError(f"{modules}: sentence-transformers module(s) {other} are not "
@@ -45,7 +49,7 @@ def st_settings(path: str | Path) -> dict[str, Any]:
         out["normalize"] = any(t.endswith("Normalize") for t in types)
     pool = path / "1_Pooling" / "config.json"
     if pool.exists():
-        cfg = json.loads(pool.read_text())
+        cfg = read_json(pool)
         modes = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v]
         unsupported = [k for k in modes if k not in _ST_POOLING]
         if unsupported or len(modes) > 1:
@@ -59,10 +63,16 @@ def st_settings(path: str | Path) -> dict[str, Any]:
             out["exclude_prompt_from_pooling"] = True
     sbc = path / "sentence_bert_config.json"
     if sbc.exists():
-        out["max_length"] = int(json.loads(sbc.read_text()).get("max_seq_length", 256))
+        length = read_json(sbc).get("max_seq_length", 256)
+        if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
+            raise ConfigError(f"{sbc}: max_seq_length must be a positive integer, got "
+                              f"{shown(length)}")
+        out["max_length"] = length
     prompts = path / "config_sentence_transformers.json"
     if prompts.exists():
-        p = json.loads(prompts.read_text()).get("prompts") or {}
+        p = read_json(prompts).get("prompts") or {}
+        if not isinstance(p, dict):
+            raise ConfigError(f"{prompts}: 'prompts' must map names to prompt texts")
         out["query_prefix"] = p.get("query", "")
         out["doc_prefix"] = p.get("document", p.get("passage", ""))
     return out
@@ -112,8 +122,11 @@ def _adapter_base(path: Path, meta: dict[str, Any]) -> str:
     """
     from .source import check_model_source
 
-    base = meta.get("base_model") or json.loads(
-        (path / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = meta.get("base_model") or read_json(path / "adapter_config.json", {}).get(
+        "base_model_name_or_path")
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: the adapter names no base model (adapter_config.json "
+                          f"base_model_name_or_path)")
     try:
         check_model_source(base, option="base model")
     except ConfigError as e:
@@ -179,7 +192,7 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
     if not path.exists():
         raise ConfigError(f"--model: {path} does not exist")
     meta_file = path / "bigbatch_encoder.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    meta = read_json(meta_file, {})
     from .vision import is_vision_language_model
 
     if is_vision_language_model(path):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 
 __all__ = ["TrainConfig", "load_config", "DTYPES", "device_problem", "number_list"]
 
@@ -114,7 +114,7 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         """Raise :class:`ConfigError` naming the option for any impossible value."""
         def bad(name: str, why: str) -> ConfigError:
-            return ConfigError(f"--{name.replace('_', '-')}: {why} (got {getattr(self, name)!r})")
+            return ConfigError(f"--{name.replace('_', '-')}: {why} (got {shown(getattr(self, name))})")
 
         for f in dataclasses.fields(self):  # inf or nan passes every comparison check below
             value = getattr(self, f.name)
@@ -409,21 +409,21 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         if isinstance(value, (str, list)):
             return value
         raise ConfigError(f"{source}: {name} must be a path or a list of sources, got "
-                          f"{value!r}")
+                          f"{shown(value)}")
     if "list" in typ:
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
-        raise ConfigError(f"{source}: {name} must be a list of strings, got {value!r}")
+        raise ConfigError(f"{source}: {name} must be a list of strings, got {shown(value)}")
     if kind is bool or typ == "bool":
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{source}: {name} must be true or false, got {value!r}")
+        raise ConfigError(f"{source}: {name} must be true or false, got {shown(value)}")
     if kind is int or typ.startswith("int"):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{source}: {name} must be an integer, got {value!r}")
+        raise ConfigError(f"{source}: {name} must be an integer, got {shown(value)}")
     if kind is float or typ.startswith("float"):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -432,10 +432,10 @@ def _coerce(name: str, value: Any, source: str) -> Any:
                 return float(value)  # YAML reads 2e-5 as a string
             except ValueError:
                 pass
-        raise ConfigError(f"{source}: {name} must be a number, got {value!r}")
+        raise ConfigError(f"{source}: {name} must be a number, got {shown(value)}")
     if isinstance(value, (str, int, float)):
         return str(value)
-    raise ConfigError(f"{source}: {name} must be a string, got {value!r}")
+    raise ConfigError(f"{source}: {name} must be a string, got {shown(value)}")
 
 
 def number_list(value: Any, kind: type, what: str) -> list:
@@ -447,7 +447,7 @@ def number_list(value: Any, kind: type, what: str) -> list:
     items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) \
         else value if isinstance(value, list) else None
     if items is None:
-        raise ConfigError(f"{what} must be a list of numbers, e.g. 384,256,128, got {value!r}")
+        raise ConfigError(f"{what} must be a list of numbers, e.g. 384,256,128, got {shown(value)}")
     out = []
     for v in items:
         try:
@@ -455,7 +455,7 @@ def number_list(value: Any, kind: type, what: str) -> list:
                 raise ValueError
             out.append(kind(v))
         except (TypeError, ValueError):
-            raise ConfigError(f"{what}: {v!r} is not {'an integer' if kind is int else 'a number'}"
+            raise ConfigError(f"{what}: {shown(v)} is not {'an integer' if kind is int else 'a number'}"
                               f" (give a comma-separated list, e.g. 384,256,128)") from None
     return out
 
@@ -512,8 +512,8 @@ def _resolve_path(key: str, value: Any, base: Path) -> Any:
     is no folder there stays as given: a hub name (``namespace/name``)."""
     if key in _SOURCE_OPTIONS:
         return _resolve_sources(value, base)
-    if not isinstance(value, str) or not value:
-        return value
+    if not isinstance(value, str) or not value or (key, value) == ("resume", "auto"):
+        return value  # (--resume auto: this output folder's run, if it has a checkpoint)
     path = Path(value).expanduser()
     if not path.is_absolute():
         if key in ("model", "guide_model") and not (base / path).exists():
@@ -548,15 +548,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     ``overrides`` (the flags given on the command line). Returns a validated config."""
     values: dict[str, Any] = {}
     if path is not None:
-        import yaml
+        from ..data.readers.yaml_file import load_yaml
 
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"--config: file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+        loaded = load_yaml(p, "YAML configuration") or {}  # aliases bounded, plain values only
+        values["extra"] = {"config_file": str(p.absolute())}  # an input --overwrite keeps
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a mapping of option: value")
         lines = _key_lines(p.read_text(), str(p))

@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from ...errors import shown
 from ..records.types import Problem
-from .files import open_data_file
+from .files import open_data_file, text_too_long
 
 __all__ = ["iter_jsonl", "open_jsonl", "LineProblem", "jsonl_rows", "text_field"]
 
@@ -94,7 +95,7 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, L
                 found = _not_unicode(rec)
                 if found is not None:
                     yield n, None, LineProblem(
-                        f"holds an unpaired UTF-16 surrogate ({found[1]!r}), which is not valid "
+                        f"holds an unpaired UTF-16 surrogate ({shown(found[1])}), which is not valid "
                         f"Unicode text; fix or remove it", field=found[0] or None)
                     continue
             yield n, rec, None
@@ -120,5 +121,8 @@ def text_field(rec: dict, key: str, where: tuple[str, int], problems: list[Probl
         return None
     if not isinstance(v, str) or not v.strip():
         problems.append(Problem(where[0], where[1], key, "must be non-empty text"))
+        return None
+    if (why := text_too_long(v)) is not None:
+        problems.append(Problem(where[0], where[1], key, f"the text {why}"))
         return None
     return v

@@ -46,6 +46,7 @@ from ...errors import DataError
 from ..formats import format_of, get_format, stream_records
 from ..formats.common import Format
 from ..formats.instructions import SystemCounts
+from ..readers.files import cache_errors
 from ..readers.shards import is_shard_folder, shard_files
 from ..readers.tables import hf_dataset_files, is_hf_dataset
 from .loader import RecordSummary, load_records, raise_problems, short_negatives_error, train_record
@@ -458,7 +459,8 @@ def open_records(source: str | Path, split: str = "train", num_hard_negatives: i
     if _stale(meta, settings, files, split):
         print(f"bigbatch: indexing {source} (once: kept in {folder} until it changes)",
               file=sys.stderr, flush=True)
-        _build(source, split, fmt, kind, files, data_root, folder)
+        with cache_errors(folder.parent):  # a read-only or full $BIGBATCH_CACHE, named
+            _build(source, split, fmt, kind, files, data_root, folder)
         meta = _read_meta(folder)
         if meta is None:  # pragma: no cover - written just above
             raise DataError(f"the record index in {folder} could not be written",
