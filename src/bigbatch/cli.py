@@ -103,8 +103,12 @@ _HELP = {
     "save_steps": "checkpoint every N steps (0: only at the end)",
     "save_total_limit": "keep this many newest checkpoints (plus best/)",
     "best_metric": "metric that selects best/ (e.g. ndcg@10, unseen/ndcg@10)",
-    "resume": "checkpoint directory (or output directory: its latest checkpoint) to resume "
+    "resume": "checkpoint directory (or output directory: its newest intact checkpoint) to "
+              "resume, or auto: --output-dir's run, continued when it has a checkpoint (for "
+              "jobs restarted as they started: torchrun --max-restarts, a requeued job) "
               "(default: none, a new run)",
+    "strict": "stop the run at a step that cannot teach (loss and gradient 0, overflowing "
+              "logits) instead of warning once",
     "overwrite": "start a new run in an --output-dir that holds another run or other files: "
                  "move what it holds into <output-dir>/previous-<timestamp>/ first (nothing "
                  "is deleted)",

@@ -128,7 +128,7 @@ def _adapter_base(path: Path, meta: dict[str, Any]) -> str:
         raise ConfigError(f"{path}: the adapter names no base model (adapter_config.json "
                           f"base_model_name_or_path)")
     try:
-        check_model_source(base, option="base model")
+        check_model_source(base, option="base model", hub=True)
     except ConfigError as e:
         raise ConfigError(f"{path}: the adapter's {e}") from e
     return base
@@ -190,7 +190,9 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
     if (path / "model").is_dir() and (path / "trainer_state.pt").exists():
         path = path / "model"  # a checkpoint directory
     if not path.exists():
-        raise ConfigError(f"--model: {path} does not exist")
+        from .source import check_model_source
+        check_model_source(path, hub=True)  # no such folder; a hub name not in the cache
+        raise ConfigError(f"--model: no such folder: {path}")
     meta_file = path / "bigbatch_encoder.json"
     meta = read_json(meta_file, {})
     from .vision import is_vision_language_model

@@ -14,7 +14,7 @@ from torch import nn
 
 __all__ = ["model_reference", "check_model_source", "hub_load_errors", "load_pretrained",
            "files_key", "model_fingerprint", "model_identity", "check_tokenizer_fits",
-           "read_json"]
+           "read_json", "check_hub_reachable"]
 
 
 def read_json(path: str | os.PathLike, default: Any = None, mapping: bool = True) -> Any:
@@ -53,7 +53,8 @@ def model_reference(model: str | os.PathLike) -> str:
     return str(path.resolve()) if path.exists() else str(model)
 
 
-def check_model_source(model: str | os.PathLike, option: str = "--model") -> None:
+def check_model_source(model: str | os.PathLike, option: str = "--model",
+                       hub: bool = False) -> None:
     """Refuse a model source that is not a full transformers model, before anything loads.
 
     A local folder must hold ``config.json``. A LoRA adapter folder (a LoRA run's ``final/``
@@ -93,10 +94,65 @@ def check_model_source(model: str | os.PathLike, option: str = "--model") -> Non
         raise ConfigError(f"{option}: {text} holds no transformers model (no config.json)")
     if p.exists():
         raise ConfigError(f"{option}: {text} is a file; give a model folder")
+    first = Path(text.split("/")[0]).expanduser()
     looks_local = p.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1 \
-        or (os.sep != "/" and os.sep in text)
+        or (os.sep != "/" and os.sep in text) or ("/" in text and first.is_dir())
     if looks_local:
-        raise ConfigError(f"{option}: {text} does not exist")
+        raise ConfigError(f"{option}: no such folder: {text}{_nearest(p)}")
+    if hub:  # (when the model is about to load: checking options needs no network)
+        check_hub_reachable(text, option)
+
+
+def _nearest(path: Path) -> str:
+    """For a missing local folder: the nearest folder above it that exists, and what it
+    holds (a few names), to spot a typing mistake."""
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        names = sorted(q.name for q in parent.iterdir() if q.is_dir())[:8]
+    except OSError:
+        return ""
+    return f" ({parent} holds: {', '.join(names)})" if names else f" ({parent} holds no folder)"
+
+
+def check_hub_reachable(name: str, option: str = "--model", timeout: float = 3.0) -> None:
+    """A hub name (``namespace/name``) must be in the Hugging Face cache, or the Hub must
+    answer within ``timeout`` seconds: without a network, transformers retries for about a
+    minute before it fails. With ``HF_HUB_OFFLINE=1`` only the cache counts.
+
+    Raises:
+        ConfigError: naming the model and how to go offline.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    from ..errors import ConfigError
+
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+    except ImportError:  # pragma: no cover - a dependency of transformers
+        return
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except Exception:  # noqa: BLE001 - a name the hub library cannot take: left to transformers
+        return
+    how = (f"give a local model folder, or download it where there is a network "
+           f"(huggingface-cli download {name}) and load it from the cache with "
+           f"HF_HUB_OFFLINE=1")
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"{option}: {name} is no local folder and is not in the Hugging Face "
+                          f"cache, and HF_HUB_OFFLINE is set; {how}")
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname or "huggingface.co",
+                                  url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout).close()
+    except OSError as e:
+        raise ConfigError(f"{option}: {name} is no local folder and is not in the Hugging Face "
+                          f"cache, and the Hub ({url.hostname}) cannot be reached "
+                          f"({getattr(e, 'strerror', None) or e}); {how}") from e
 
 
 @contextlib.contextmanager

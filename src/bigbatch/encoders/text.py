@@ -118,7 +118,7 @@ class TextEncoder(EncoderBase):
         super().__init__()
         from transformers import AutoTokenizer
 
-        check_model_source(model)
+        check_model_source(model, hub=True)  # a hub name fails fast without a network
         if pooling not in POOLING_MODES:
             raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
         if exclude_prompt_from_pooling and pooling != "mean":

@@ -117,7 +117,7 @@ class VisionLanguageEncoder(EncoderBase):
         super().__init__()
         from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-        check_model_source(model)
+        check_model_source(model, hub=True)  # a hub name fails fast without a network
         self.model_name = self.base_model_name = model_reference(model)
         with hub_load_errors(self.model_name):
             config = AutoConfig.from_pretrained(self.model_name)

@@ -92,7 +92,7 @@ class TrainConfig:
     best_metric: str = "ndcg@10"
     save_steps: int = 100
     save_total_limit: int = 2
-    resume: str | None = None
+    resume: str | None = None  # a checkpoint, an output folder (its newest), or "auto"
     overwrite: bool = False
     seed: int = 42
     dtype: str = "float32"
@@ -109,6 +109,7 @@ class TrainConfig:
     deepspeed: str | None = None  # a DeepSpeed JSON configuration (ZeRO stage 1 or 2)
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     push_to_hub: str | None = None  # a Hugging Face Hub repository for final/ and its card
+    strict: bool = False  # a step that cannot teach (loss and gradient 0, logits overflow) stops
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def validate(self) -> "TrainConfig":
@@ -134,9 +135,13 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise bad(name, "must be > 0")
         for name in ("warmup_steps", "eval_steps", "save_steps", "num_hard_negatives",
-                     "lora_r", "lora_alpha", "save_total_limit"):
+                     "lora_r", "lora_alpha"):
             if getattr(self, name) < 0:
                 raise bad(name, "must be >= 0")
+        if self.save_total_limit < 1:  # 0 used to keep every checkpoint, silently
+            raise bad("save_total_limit", "must be >= 1: the newest checkpoints kept (a run "
+                                          "resumes from one); to keep every one, give at least "
+                                          "the run's number of checkpoints")
         if self.query_grad_cache_chunk is not None and self.query_grad_cache_chunk <= 0:
             raise bad("query_grad_cache_chunk", "must be > 0")
         if self.loss_block_size is not None and self.loss_block_size < 0:

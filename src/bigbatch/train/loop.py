@@ -72,6 +72,7 @@ from .resume import (
 from .runid import new_run_id, run_id_of
 from .schedule import make_scheduler
 from .sources import ChainedRecords, data_identity, load_sources, mix_state
+from .step_checks import StepChecks
 
 __all__ = ["train", "Trainer", "StepCallback", "RunInterrupted", "RunPreempted",
            "base_beats_best"]
@@ -265,6 +266,7 @@ class Trainer:
         self.columns: list[str] | None = None  # of the evaluation rows printed
         self.last_metrics: dict[str, float] | None = None
         self.last_eval_step = -1
+        self.step_checks = StepChecks(config.strict, warn=info.is_main)
 
     def iterate(self) -> Any:
         """The batches from the run's position on (each source's own, and the step that
@@ -479,6 +481,7 @@ class Trainer:
         values = self._optimize(batch)
         self.steps_done += 1
         step, config = self.state["step"], self.config
+        self.step_checks.check(step, values)  # loss and gradient 0, overflowing logits
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}",
                              temp=f"{values['temperature']:.4f}",
@@ -664,6 +667,8 @@ class Trainer:
                    "best": state["best"], "best_step": state["best_step"],
                    "output_dir": str(out), "final_model": str(out / "final"),
                    "run_id": self.run_id}
+        if self.step_checks.seen:  # steps that could not teach (warned about once each)
+            summary["futile_steps"] = dict(self.step_checks.seen)
         note = base_beats_best(state["base_metrics"], state["best"], state["best_step"],
                                self.config.best_metric, self.lower_is_better)
         if note:
