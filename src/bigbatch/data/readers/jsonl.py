@@ -15,7 +15,7 @@ from ...errors import shown
 from ..records.types import Problem
 from .files import open_data_file, text_too_long
 
-__all__ = ["iter_jsonl", "open_jsonl", "LineProblem", "jsonl_rows", "text_field"]
+__all__ = ["iter_jsonl", "open_jsonl", "LineProblem", "jsonl_rows", "text_field", "parse_json"]
 
 # a JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way one gets into a string,
 # since the file itself is decoded as strict UTF-8
@@ -53,6 +53,17 @@ def _not_unicode(value: Any, name: str = "") -> tuple[str, str] | None:
     return None
 
 
+def parse_json(text: str) -> tuple[Any, str | None]:
+    """(the JSON value of ``text``, None), or (None, what is wrong with it): malformed (with
+    its column), or nested deeper than Python's parser goes (a RecursionError otherwise)."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as e:
+        return None, f"malformed JSON at column {e.colno} ({e.msg})"
+    except RecursionError:
+        return None, "JSON nested too deep to read (thousands of levels); no record nests so"
+
+
 def open_jsonl(path: str | Path) -> IO[str]:
     """A JSONL file opened for reading: a regular file (else a DataError naming it), decoded
     as UTF-8 with undecodable bytes kept as surrogate escapes (for the reader to report)."""
@@ -83,10 +94,9 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, L
                     f"not UTF-8 text (byte 0x{ord(line[e.start]) - 0xDC00:02x} at column "
                     f"{e.start + 1}); re-encode the file as UTF-8")
                 continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield n, None, LineProblem(f"malformed JSON at column {e.colno} ({e.msg})")
+            rec, why = parse_json(line)
+            if why is not None:
+                yield n, None, LineProblem(why)
                 continue
             if not isinstance(rec, dict):
                 yield n, None, LineProblem("expected a JSON object")

@@ -161,7 +161,7 @@ class _JsonlPart:
                             "the start of a line)", path=str(self.path), line=line)
         try:
             rec = json.loads(data[1 if pos else 0:].decode("utf-8").lstrip("\ufeff"))
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise DataError(f"the record index does not match the file ({e})",
                             path=str(self.path), line=line) from e
         return rec
