@@ -202,3 +202,29 @@ def test_compressed_data_files_are_named(tmp_path):
     with pytest.raises(DataError, match="is gzip-compressed"):
         from bigbatch.data.records.loader import load_records
         load_records(path)
+
+
+# ---------------------------------------------------------------- the model's limits and shapes
+def test_eval_and_mine_refuse_a_max_length_beyond_the_models_positions(assets, tmp_path, capsys):
+    tiny, data = assets
+    for argv in (["eval", "--model", str(tiny), "--data", str(data), "--no-cache"],
+                 ["mine", "--model", str(tiny), "--data", str(data), "--output",
+                  str(tmp_path / "m.jsonl"), "--no-cache"]):
+        assert main([*argv, "--max-length", "512"]) == 2
+        assert "--max-length: 512 is more than the 128 positions" in capsys.readouterr().err
+
+
+def test_a_resume_onto_a_model_of_another_width_is_refused(assets, tmp_path):
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tiny, _ = assets
+    wide = tmp_path / "wide"
+    tok = AutoTokenizer.from_pretrained(tiny)
+    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, intermediate_size=64,
+                         max_position_embeddings=128)).save_pretrained(wide)
+    tok.save_pretrained(wide)
+    out = tmp_path / "run"
+    train(config(assets, out, save_steps=2))
+    with pytest.raises(ConfigError, match="--resume: .*checkpoint-000002 was trained from the model"):
+        train(config(assets, out, model=str(wide), max_steps=3, resume=str(out)))

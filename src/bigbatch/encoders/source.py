@@ -14,7 +14,7 @@ from torch import nn
 
 __all__ = ["model_reference", "check_model_source", "hub_load_errors", "load_pretrained",
            "files_key", "model_fingerprint", "model_identity", "check_tokenizer_fits",
-           "read_json", "check_hub_reachable"]
+           "read_json", "check_hub_reachable", "model_positions", "check_positions"]
 
 
 def read_json(path: str | os.PathLike, default: Any = None, mapping: bool = True) -> Any:
@@ -251,6 +251,32 @@ def model_identity(model: str | os.PathLike) -> dict[str, Any]:
     compare): the reference (:func:`model_reference`) and the fingerprint
     (:func:`model_fingerprint`, None for a hub name)."""
     return {"path": model_reference(model), "fingerprint": model_fingerprint(model)}
+
+
+def model_positions(max_position_embeddings: Any, model_type: Any) -> int | None:
+    """How many token positions a text model's configuration gives (RoBERTa-family models
+    lose two to the padding offset: their positions start after the padding index), or None
+    when it does not say."""
+    if not isinstance(max_position_embeddings, int):
+        return None
+    return max_position_embeddings - (2 if "roberta" in str(model_type or "") else 0)
+
+
+def check_positions(max_length: int, model_config: Any, name: str,
+                    option: str = "--max-length") -> None:
+    """Refuse a max length beyond the model's position embeddings: it fails inside the model
+    at the first long text (an index error deep in a forward pass), possibly hours in.
+
+    Raises:
+        ConfigError: naming ``option``, both numbers and the model.
+    """
+    from ..errors import ConfigError
+
+    limit = model_positions(getattr(model_config, "max_position_embeddings", None),
+                            getattr(model_config, "model_type", ""))
+    if limit is not None and max_length and max_length > limit:
+        raise ConfigError(f"{option}: {max_length} is more than the {limit} positions {name} "
+                          f"has")
 
 
 def check_tokenizer_fits(tokenizer: Any, model: nn.Module, name: str) -> None:

@@ -22,6 +22,7 @@ from ..errors import ConfigError
 from .base import EncoderBase, clip_for_tokenizer, pool
 from .source import (
     check_model_source,
+    check_positions,
     check_tokenizer_fits,
     hub_load_errors,
     load_pretrained,
@@ -142,6 +143,7 @@ class TextEncoder(EncoderBase):
         kwargs = {"dtype": dtype} if dtype is not None else {}
         self.model = load_pretrained(self.model_name, self._allowed_missing, **kwargs)
         check_tokenizer_fits(self.tokenizer, self.model, self.model_name)
+        check_positions(self.max_length, self.model.config, str(model))  # eval, mine, train
         self.lora_r = 0
         if lora_r > 0:
             self._apply_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules)

@@ -56,8 +56,8 @@ _IDENTITY = "torch.nn.modules.linear.Identity"
 _DENSE_WEIGHTS = "model.safetensors"
 
 
-def _json(path: Path) -> dict[str, Any]:
-    return read_json(path, {})
+def _json(path: Path) -> Any:
+    return read_json(path, {}, mapping=False)  # (modules.json is a list)
 
 
 def _dense_folder(path: Path) -> Path | None:

@@ -34,7 +34,8 @@ from .runid import belongs_to, run_id_of, write_run_file
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
            "rotate_checkpoints", "abandon_later_checkpoints", "recover_output_dir",
            "finished_run", "rng_state", "set_rng_state", "safe_load", "atomic_dir", "fsync_dir",
-           "write_errors", "free_space", "MANIFEST", "write_manifest", "checkpoint_problem"]
+           "write_errors", "free_space", "MANIFEST", "write_manifest", "checkpoint_problem",
+           "saved_state"]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 MANIFEST = "manifest.json"  # every file of a checkpoint: size and SHA-256
@@ -275,6 +276,15 @@ def load_checkpoint(path: str | Path, *, encoder: Any, loss_fn: torch.nn.Module,
     if missing:
         raise ConfigError(f"--resume: {path} was saved from a different model or LoRA setting "
                           f"(missing {missing[:3]}...)")
+    other = [(n, tuple(t.shape), tuple(params[n].shape)) for n, t in blob["trainable"].items()
+             if n in params and tuple(t.shape) != tuple(params[n].shape)]
+    unknown = [n for n in blob["trainable"] if n not in params]
+    if other or unknown:
+        what = (f"{other[0][0]} is {other[0][1]} there, {other[0][2]} here" if other else
+                f"{unknown[0]} is not a weight of this model")
+        raise ConfigError(f"--resume: {path} was saved from a model of another shape ({what}; "
+                          f"{len(other) + len(unknown)} weight(s) differ); resume with the "
+                          f"--model and settings it was trained with")
     with torch.no_grad():
         for n, t in blob["trainable"].items():
             params[n].copy_(t)
@@ -334,6 +344,21 @@ def rotate_checkpoints(output_dir: str | Path, keep: int, run_id: str | None = N
         return
     for _, p in list_checkpoints(output_dir, run_id, complete=False)[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+def saved_state(ckpt: str | Path) -> dict[str, Any]:
+    """The training state a checkpoint holds (step, data position, base model, ...), read
+    memory-mapped (the optimizer state is not read); empty when there is none.
+
+    Raises:
+        ConfigError: its trainer state cannot be read safely (:func:`safe_load`).
+    """
+    f = Path(ckpt) / "trainer_state.pt"
+    if not f.exists():
+        return {}
+    blob = safe_load(f, mmap=True)
+    state = blob.get("state") if isinstance(blob, dict) else None
+    return state if isinstance(state, dict) else {}
 
 
 def _saved_step(ckpt: Path) -> int | None:

@@ -51,6 +51,7 @@ from .checkpoint import (
     recover_output_dir,
     rotate_checkpoints,
     save_checkpoint,
+    saved_state,
     write_errors,
 )
 from .config import TrainConfig
@@ -322,13 +323,13 @@ class Trainer:
             return None
         ckpt = self.ckpt
         check_resume_matches(ckpt, config, info)
+        base = model_identity(config.model)  # before any weight is copied from the checkpoint
+        check_resumed_base(ckpt, saved_state(ckpt).get("base_model"), base)
         self.state = load_checkpoint(ckpt, encoder=self.encoder, loss_fn=self.loss_fn,
                                      optimizer=self.optimizer, scheduler=self.scheduler,
                                      scaler=self.scaler, rank=info.rank)
         train_data, num_records = data_identity(self.batches)
         check_resumed_data(ckpt, train_data, num_records, self.state, mix_state(self.batches))
-        base = model_identity(config.model)
-        check_resumed_base(ckpt, self.state.get("base_model"), base)
         self.state["base_model"] = base
         check_resumed_step(ckpt, self.state["step"], self.max_steps)
         self.state["num_records"], self.state["train_data"] = num_records, train_data
