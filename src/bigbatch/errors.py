@@ -8,7 +8,15 @@ non-finite numbers), so existing ``except ValueError`` blocks keep working.
 
 from __future__ import annotations
 
+import reprlib
+import shutil
+from pathlib import Path
+from typing import Any
+
 __all__ = [
+    "shown",
+    "SHOWN_CHARS",
+    "free_space",
     "BigBatchError",
     "ConfigError",
     "InputError",
@@ -19,6 +27,35 @@ __all__ = [
     "OutputError",
     "FetchError",
 ]
+
+
+# the most characters of a user's value a message shows (:func:`shown`)
+SHOWN_CHARS = 200
+
+_REPR = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+for _name, _value in (("maxlevel", 3), ("maxtuple", 6), ("maxlist", 6), ("maxarray", 6),
+                      ("maxdict", 6), ("maxset", 6), ("maxfrozenset", 6), ("maxdeque", 6),
+                      ("maxstring", SHOWN_CHARS), ("maxlong", 60), ("maxother", SHOWN_CHARS)):
+    setattr(_REPR, _name, _value)
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for a message, at most about ``limit`` characters whatever the value:
+    a long string is cut in its middle (``'abc...xyz' (52,428,800 characters)``), a container
+    shows its first items and levels only, so that a message never prints (or first builds)
+    an unbounded text: a 50 MB field, a YAML "billion laughs" alias tree. Every message that
+    shows a value from the user's files or options shows it through this."""
+    if isinstance(value, str) and len(value) <= limit:
+        return repr(value)
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails still gets a message
+        text = f"<{type(value).__name__}>"
+    if len(text) > limit + 20:
+        text = text[: limit // 2] + "..." + text[-(limit // 2):]
+    if isinstance(value, str):
+        text += f" ({len(value):,} characters)"
+    return text
 
 
 class BigBatchError(Exception):
@@ -62,6 +99,22 @@ class FetchError(BigBatchError, OSError):
     download is left behind."""
 
 
+def free_space(path: str | Path) -> str:
+    """The free space on the file system holding ``path`` (or its nearest existing folder),
+    for messages: ``"1.2 GB free on /data"``; empty when it cannot be told."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return ""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if free >= size:
+            return f"{free / size:.1f} {unit} free on {p}"
+    return f"{free} bytes free on {p}"
+
+
 class DataError(BigBatchError, ValueError):
     """A bad record in a data file. The message names the file, the line and the field."""
 
@@ -71,7 +124,7 @@ class DataError(BigBatchError, ValueError):
         if path is not None:
             where.append(str(path) if line is None else f"{path}:{line}")
         if field is not None:
-            where.append(f"field {field!r}")
+            where.append(f"field {shown(field)}")
         super().__init__(f"{', '.join(where)}: {message}" if where else message)
         self.message = message  # without the file, line and field
         self.path = path

@@ -51,6 +51,8 @@ def test_a_crafted_pickle_in_a_checkpoint_is_refused_and_runs_nothing(finished, 
     victim = (run / "best" / "trainer_state.pt") if target == "best" else ckpt / target
     assert victim.exists()
     torch.save({"state": {"step": _Payload(marker)}, "x": _Payload(marker)}, victim)
+    from bigbatch.train.checkpoint import write_manifest
+    write_manifest(victim.parent)  # a crafted checkpoint comes with a manifest that fits it
     cfg = finished.__class__(**{**finished.__dict__, "output_dir": str(run), "resume": str(run),
                                 "max_steps": 6})
     if target == "best":
@@ -78,3 +80,49 @@ def test_a_truncated_state_file_is_named(tmp_path):
     (tmp_path / "t.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(ConfigError, match="t.pt: cannot be read"):
         safe_load(tmp_path / "t.pt")
+
+
+# ---------------------------------------------------------------- manifests (issue 29, item 3)
+def test_each_checkpoint_lists_its_files_with_size_and_sha256(finished):
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from bigbatch.train.checkpoint import checkpoint_problem
+
+    ckpt = latest_checkpoint(finished.output_dir)
+    manifest = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert {"trainer_state.pt", "rng_state_rank0.pt", "config.yaml", "model/model.safetensors"} \
+        <= set(manifest)
+    for name, entry in manifest.items():
+        data = (Path(ckpt) / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert checkpoint_problem(ckpt) is None
+
+
+@pytest.mark.parametrize("damage", ["truncated", "altered"])
+def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_taken(finished, tmp_path,
+                                                                      capsys, damage):
+    run = tmp_path / "run"
+    shutil.copytree(finished.output_dir, run)
+    newest = run / "checkpoint-000004"
+    victim = newest / ("model/model.safetensors" if damage == "truncated" else "trainer_state.pt")
+    data = bytearray(victim.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0xFF  # same size, one byte changed
+    victim.write_bytes(bytes(data))
+    why = "is .* bytes, .* when it was written" if damage == "truncated" else \
+        "was altered since it was written"
+    cfg = finished.__class__(**{**finished.__dict__, "output_dir": str(run),
+                                "resume": str(newest), "max_steps": 6})
+    with pytest.raises(ConfigError, match=rf"checkpoint-000004 is damaged: .*{why}.*the newest "
+                                          rf"intact checkpoint there is .*checkpoint-000002"):
+        train(cfg)
+    cfg.resume = str(run)  # the output folder: the newest intact checkpoint, with a line
+    assert train(cfg)["steps"] == 6
+    out = capsys.readouterr().out
+    assert "checkpoint-000004 is damaged" in out and "resuming from" in out
+    assert "checkpoint-000002, the newest intact checkpoint" in out
+    assert list(run.glob("abandoned-*/checkpoint-000004"))  # set aside, not deleted

@@ -111,3 +111,126 @@ def test_a_mix_under_two_processes_matches_one_process(tmp_path):
     assert {r["source"] for r in one} == {"scifact", "titles"}
     for r2, r1 in zip(two, one):
         assert abs(r2["loss"] - r1["loss"]) <= 1e-3 * abs(r1["loss"])
+
+
+# ---------------------------------------------------------------- preemption and restarts
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+PREEMPT = ["--max-steps", "12", "--warmup-steps", "1", "--grad-cache-chunk", "4", "--lora-r",
+           "0", "--lr", "1e-3", "--max-length", "32", "--save-steps", "2", "--seed", "5",
+           "--no-eval-at-start", "--batch-size", "8", "--resume", "auto"]
+
+
+def _env():
+    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", BIGBATCH_NO_PROGRESS="1")
+
+
+def _workers(agent_pid):
+    """{rank: pid} of the worker processes of a torchrun agent (its children, by RANK)."""
+    from pathlib import Path
+
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != agent_pid:
+                continue
+            env = (d / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+        if rank is not None:
+            found[rank] = int(d.name)
+    return found
+
+
+def _launch(extra, args, out, when, sig):
+    """Start ``bigbatch train`` under torchrun, send ``sig`` to rank 1 once ``when(out)``
+    holds, and return the finished process's (return code, stdout + stderr)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(TORCHRUN + extra + ["-m", "bigbatch.cli", "train", *args,
+                                                "--output-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env())
+    deadline = time.monotonic() + 600
+    sent = False
+    while proc.poll() is None and time.monotonic() < deadline:
+        if not sent and when(out):
+            pid = _workers(proc.pid).get(1)
+            if pid is not None:
+                os.kill(pid, getattr(signal, sig))
+                sent = True
+        time.sleep(0.02)
+    text, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+    assert sent, text[-3000:]
+    return proc.returncode, text
+
+
+def _trained_rows(out):
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return [r for r in rows if r.get("kind") == "train"]
+
+
+@pytest.fixture(scope="module")
+def preempt_setup(tmp_path_factory):
+    """The model and data, and the final weights of a 2-rank run never stopped."""
+    from safetensors.torch import load_file
+
+    root = tmp_path_factory.mktemp("preempt2")
+    tiny, data = tiny_bert(root / "tiny", dropout=0.1), scifact_slice(root / "sf")
+    args = ["--model", str(tiny), "--train-data", str(data), *PREEMPT]
+    proc = subprocess.run(TORCHRUN + ["-m", "bigbatch.cli", "train", *args,
+                                      "--output-dir", str(root / "whole")],
+                          capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return args, load_file(str(root / "whole" / "final" / "model.safetensors"))
+
+
+def _same_weights(out, reference):
+    import torch
+    from safetensors.torch import load_file
+
+    got = load_file(str(out / "final" / "model.safetensors"))
+    return all(torch.equal(got[k], reference[k]) for k in reference)
+
+
+def test_sigterm_to_one_rank_stops_both_after_one_step_and_the_resume_is_exact(
+        preempt_setup, tmp_path):
+    """Rank 1 alone gets SIGTERM: both ranks finish the step, agree, write that step's
+    checkpoint and exit 75; the run resumed with the same command ends with the weights of
+    the run never stopped (dropout on: every rank's random state resumes too)."""
+    import re
+
+    args, reference = preempt_setup
+    out = tmp_path / "run"
+    code, text = _launch(["--max-restarts", "0"], args, out,
+                         lambda o: (o / "metrics.jsonl").exists() and len(_trained_rows(o)) >= 3,
+                         "SIGTERM")
+    assert code != 0, text[-3000:]
+    stops = re.findall(r"stopped by SIGTERM after step (\d+) of 12", text)
+    assert len(stops) == 2 and stops[0] == stops[1], text[-3000:]  # both ranks, one step
+    step = int(stops[0])
+    assert 3 <= step < 12 and re.search(r"exitcode\s*:\s*75", text), text[-3000:]
+    assert (out / f"checkpoint-{step:06d}" / "manifest.json").exists()
+    proc = subprocess.run(TORCHRUN + ["-m", "bigbatch.cli", "train", *args,
+                                      "--output-dir", str(out)],
+                          capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"step {step} of 12" in proc.stdout
+    assert _same_weights(out, reference)
+
+
+def test_a_rank_killed_is_restarted_by_torchrun_and_continues_by_itself(preempt_setup,
+                                                                         tmp_path):
+    """SIGKILL on rank 1 (no handler runs): torchrun --max-restarts 1 starts both ranks again
+    with the same command, and --resume auto continues from the newest intact checkpoint
+    to the weights of the run never stopped."""
+    args, reference = preempt_setup
+    out = tmp_path / "run"
+    code, text = _launch(["--max-restarts", "1"], args, out,
+                         lambda o: (o / "checkpoint-000002").is_dir(), "SIGKILL")
+    assert code == 0, text[-4000:]
+    assert "--resume auto: continuing the run in" in text, text[-3000:]
+    assert _same_weights(out, reference)

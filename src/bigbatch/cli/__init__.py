@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"bigbatch {args.command}: stopped (Ctrl-C)" + (
                   ", before training began; nothing was written" if args.command == "train"
                   else ""), file=sys.stderr, flush=True)
-        return 130
+        return getattr(e, "exit_code", 130)  # a preempted run (SIGTERM, SIGUSR1): 75
 
 
 def _run(args: argparse.Namespace) -> int:

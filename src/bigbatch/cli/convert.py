@@ -52,6 +52,10 @@ def add_parser(sub: Any, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..data.formats import detect_format, stream_records, write_records
+    from ..train.outdir import check_not_input
+
+    check_not_input(args.output, "convert output", [("input", args.input)],
+                    output_is_folder=args.dst_format == "beir" or Path(args.output).is_dir())
 
     src_format = args.src_format
     if src_format is None and Path(args.input).exists():

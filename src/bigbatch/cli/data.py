@@ -62,9 +62,11 @@ def add_make_pairs(sub: Any, name: str) -> None:
 def make_pairs(args: argparse.Namespace) -> int:
     from ..data.readers.files import check_writable_file
     from ..data.tools.pairs import make_pairs
+    from ..train.outdir import check_not_input
 
     check_positive(args, ("max_pairs",))
     check_writable_file(args.output, "make-pairs output", create_folders=False)
+    check_not_input(args.output, "make-pairs output", [("corpus", args.corpus)])
     report = make_pairs(args.corpus, args.output, query_field=args.query_field,
                         doc_field=args.doc_field, id_field=args.id_field,
                         max_pairs=args.max_pairs, fmt=args.dst_format)

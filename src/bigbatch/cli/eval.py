@@ -92,16 +92,18 @@ def add_parser(sub: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
     from ..data.readers.beir_dir import require_split
     from ..data.readers.files import check_writable_file
     from ..encoders import load_encoder
     from ..retrieval.evaluate import evaluate_beir, evaluate_beir_dims
-    from ..retrieval.report import format_eval_table
+    from ..retrieval.report import format_eval_table, json_text
+    from ..train.durable import write_text_safely
+    from ..train.outdir import check_not_input
 
     if args.output:  # before evaluating, so that no evaluation is lost
         check_writable_file(args.output, "--output", create_folders=False)
+        check_not_input(args.output, "--output", [("--data", args.data)]
+                        + [("--model", m) for m in args.model])
     if args.unseen_from:  # a split named on purpose must exist (the default's may not)
         require_split(args.data, args.unseen_from, "--unseen-from")
     unseen_from = "train" if args.unseen_from is None else args.unseen_from or None
@@ -132,8 +134,7 @@ def run(args: argparse.Namespace) -> int:
                         "split": args.split, "metrics": metrics}
                        for dim, metrics in per_dim.items())
     print(format_eval_table(results))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=2)
+    if args.output:  # strict JSON, written whole or not at all
+        write_text_safely(args.output, json_text(results, indent=2), "evaluate again")
         print(f"wrote {args.output}")
     return 0

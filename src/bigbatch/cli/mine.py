@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from ..data.readers.files import check_writable_file
     from ..encoders import load_encoder
     from ..retrieval.mining import MiningOptions, mine_hard_negatives
+    from ..train.outdir import check_not_input
 
     try:
         start, end = (int(x) for x in args.rank_window.split(":"))
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     device = check_encoder_args(args)
     out = Path(args.output)
     check_writable_file(out, "--output")
+    check_not_input(out, "--output", [("--data", args.data), ("--model", args.model)])
     encoder = load_encoder(args.model, **encoder_overrides(args)).to(device)
     # mined into a temporary file beside the output (image paths are relative to its
     # folder), put in place only when there is something to train on

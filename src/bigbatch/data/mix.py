@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from .batches import Batch, EpochBatches
 from .records.types import TrainRecord
 
@@ -78,7 +78,7 @@ class SourceSpec:
             instruction = getattr(self, f"{side}_instruction")
             if encoder_type == "vision-language":
                 if prefix is not None:
-                    raise ConfigError(f"--train-data source {self.name!r}: {side}_prefix is for "
+                    raise ConfigError(f"--train-data source {shown(self.name)}: {side}_prefix is for "
                                       f"text models; a vision-language model takes "
                                       f"{side}_instruction (its system prompt)")
                 out[side] = instruction
@@ -110,22 +110,22 @@ def _check_type(name: str, value: Any, where: str) -> Any:
         required = name in ("path", "name")
         if not isinstance(value, str) or (required and not value.strip()):
             raise ConfigError(f"{where}: {name} must be a{' non-empty' if required else ''} "
-                              f"string, got {value!r}")
+                              f"string, got {shown(value)}")
         return value
     if name == "in_batch_negatives":
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: in_batch_negatives must be true or false, got {value!r}")
+            raise ConfigError(f"{where}: in_batch_negatives must be true or false, got {shown(value)}")
         return value
     if name in ("num_hard_negatives", "max_records"):
         if isinstance(value, bool) or not isinstance(value, int) or value < (
                 0 if name == "num_hard_negatives" else 1):
             raise ConfigError(f"{where}: {name} must be an integer >= "
-                              f"{0 if name == 'num_hard_negatives' else 1}, got {value!r}")
+                              f"{0 if name == 'num_hard_negatives' else 1}, got {shown(value)}")
         return value
     if name == "weight":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
                 or value != value or value == float("inf"):
-            raise ConfigError(f"{where}: weight must be a number > 0, got {value!r}")
+            raise ConfigError(f"{where}: weight must be a number > 0, got {shown(value)}")
         return float(value)
     raise AssertionError(name)  # pragma: no cover
 
@@ -144,21 +144,21 @@ def parse_sources(value: Any, option: str = "--train-data", keys: dict[str, str]
         return []
     entries = _split(value) if isinstance(value, str) else value
     if not isinstance(entries, list):
-        raise ConfigError(f"{option}: expected a path or a list of sources, got {value!r}")
+        raise ConfigError(f"{option}: expected a path or a list of sources, got {shown(value)}")
     out: list[SourceSpec] = []
     for i, entry in enumerate(entries):
         where = f"{option}[{i}]" if isinstance(value, list) else option
         if isinstance(entry, str):
             entry = {"path": entry}
         if not isinstance(entry, dict):
-            raise ConfigError(f"{where}: expected a path or a mapping with 'path', got {entry!r}")
+            raise ConfigError(f"{where}: expected a path or a mapping with 'path', got {shown(entry)}")
         fields: dict[str, Any] = {}
         for k, v in entry.items():
             key = str(k).replace("-", "_")
             if key not in keys:
                 close = difflib.get_close_matches(key, list(keys), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(f"{where}: unknown key {k!r}{hint} (a source takes "
+                raise ConfigError(f"{where}: unknown key {shown(k)}{hint} (a source takes "
                                   f"{', '.join(sorted(keys))})")
             fields[keys[key]] = _check_type(keys[key], v, f"{where}.{key}")
         if not fields.get("path"):
@@ -174,7 +174,7 @@ def parse_sources(value: Any, option: str = "--train-data", keys: dict[str, str]
     names = [s.name for s in out]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
-        raise ConfigError(f"{option}: two sources are named {dup!r}; give each a 'name' (in "
+        raise ConfigError(f"{option}: two sources are named {shown(dup)}; give each a 'name' (in "
                           f"YAML: - {{path: ..., name: ...}})")
     return out
 
@@ -198,7 +198,7 @@ def mix_weights(specs: Sequence[SourceSpec], sizes: Sequence[int],
         raw = [float(w) for w in given]
     else:
         if not temperature > 0:
-            raise ConfigError(f"--mix-temperature: must be > 0 (got {temperature!r})")
+            raise ConfigError(f"--mix-temperature: must be > 0 (got {shown(temperature)})")
         raw = [float(n) ** (1.0 / temperature) for n in sizes]
     total = sum(raw)
     return [w / total for w in raw]

@@ -30,7 +30,7 @@ from .source import files_key, load_pretrained, model_reference
 from .unwrap import saving_without_deepspeed
 
 __all__ = ["EncoderBase", "FrozenDocTower", "pool", "SIDES", "check_side", "scored_rows",
-           "tokens_in_order", "ADAPTER_FOLDER"]
+           "tokens_in_order", "ADAPTER_FOLDER", "clip_for_tokenizer", "CHARS_PER_TOKEN_BOUND"]
 
 SIDES = ("query", "doc")
 ADAPTER_FOLDER = "adapter"  # final/adapter/: a LoRA run's adapter beside the merged weights
@@ -52,6 +52,19 @@ transformers' own loader (`AutoModel.from_pretrained("final/adapter")`, and
 sentence-transformers through it) drops the adapter's weights without an error in
 transformers 5.0 to 5.5.4: load the folder above there.
 """
+
+# characters a text keeps per token of its max length before it meets the tokenizer: a
+# tokenizer reads a whole text before it truncates it (a 50 MB text: gigabytes, minutes),
+# and no tokenizer's first tokens cover more than this many characters each (WordPiece
+# makes a word of over 100 characters one [UNK]), so the cut never changes a token kept
+CHARS_PER_TOKEN_BOUND = 1000
+
+
+def clip_for_tokenizer(text: str, max_tokens: int) -> str:
+    """``text`` cut to :data:`CHARS_PER_TOKEN_BOUND` characters per token of ``max_tokens``
+    (itself when shorter): what a tokenizer that truncates to ``max_tokens`` reads."""
+    limit = max(1, max_tokens) * CHARS_PER_TOKEN_BOUND
+    return text if len(text) <= limit else text[:limit]
 
 
 def check_side(side: str) -> None:

@@ -7,11 +7,11 @@ Qwen2-VL / Qwen2.5-VL / Qwen3-VL folders (and adapters over them) give a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .source import read_json
 from .text import TextEncoder
 from .text_multivector import multivector_settings
 
@@ -51,7 +51,7 @@ def st_settings(path: str | Path) -> dict[str, Any]:
     pool = next((path / sub / "config.json" for kind, sub in entries if kind == "Pooling"),
                 None)
     if pool is not None and pool.exists():
-        cfg = _read_json(pool)
+        cfg = read_json(pool, {})
         out["pooling"] = st_pooling(cfg, pool)
         if cfg.get("include_prompt") is False:
             if out["pooling"] != "mean":
@@ -64,27 +64,10 @@ def st_settings(path: str | Path) -> dict[str, Any]:
         out["max_length"] = length
     prompts = path / "config_sentence_transformers.json"
     if prompts.exists():
-        p = _read_json(prompts).get("prompts") or {}
+        p = read_json(prompts, {}).get("prompts") or {}
         out["query_prefix"] = p.get("query", "")
         out["doc_prefix"] = p.get("document", p.get("passage", ""))
     return out
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file (empty when it does not exist).
-
-    Raises:
-        ConfigError: the file is not valid JSON, or not an object.
-    """
-    if not path.exists():
-        return {}
-    try:
-        value = json.loads(path.read_text())
-    except ValueError as e:
-        raise ConfigError(f"{path}: not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return value
 
 
 def st_modules(path: str | Path) -> list[tuple[str, str]]:
@@ -97,12 +80,10 @@ def st_modules(path: str | Path) -> list[tuple[str, str]]:
         ConfigError: naming the module(s) or the layout that is not supported.
     """
     modules = Path(path) / "modules.json"
-    try:
-        listed = json.loads(modules.read_text())
-    except ValueError as e:
-        raise ConfigError(f"{modules}: not valid JSON: {e}") from e
+    listed = read_json(modules, mapping=False)
     if not isinstance(listed, list) or not all(isinstance(m, dict) for m in listed):
-        raise ConfigError(f"{modules}: expected a list of modules")
+        raise ConfigError(f"{modules}: expected a list of modules (objects); the folder is "
+                          f"damaged: copy or save it again")
     entries = [(str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", "")))
                for m in listed]
     other = [m.get("type", "") for m, (kind, _) in zip(listed, entries)
@@ -129,7 +110,7 @@ def _check_st_transformer(path: Path) -> None:
     another task than feature extraction, text not embedded by ``forward`` ->
     ``last_hidden_state``, or lowercasing the tokenizer does not do."""
     sbc = path / "sentence_bert_config.json"
-    cfg = _read_json(sbc)
+    cfg = read_json(sbc, {})
     task = cfg.get("transformer_task", "feature-extraction")
     if task != "feature-extraction":
         raise ConfigError(f"{sbc}: transformer_task {task!r} is not supported; bigbatch embeds "
@@ -138,7 +119,7 @@ def _check_st_transformer(path: Path) -> None:
     if {k: text.get(k) for k in _ST_TEXT_MODALITY} != _ST_TEXT_MODALITY:
         raise ConfigError(f"{sbc}: text embedded by {text} is not supported; bigbatch embeds "
                           f"text by {_ST_TEXT_MODALITY}")
-    if cfg.get("do_lower_case") and not _read_json(path / "tokenizer_config.json").get(
+    if cfg.get("do_lower_case") and not read_json(path / "tokenizer_config.json", {}).get(
             "do_lower_case"):
         raise ConfigError(f"{sbc}: do_lower_case (sentence-transformers lower-cases the "
                           f"texts itself) is not supported for a tokenizer that does not: "
@@ -174,7 +155,7 @@ def st_check_width(path: Path, cfg: dict[str, Any], where: Path) -> None:
     """Refuse a Pooling module whose ``embedding_dimension`` (``word_embedding_dimension``
     before sentence-transformers 6) is not the transformer's hidden size."""
     width = cfg.get("embedding_dimension", cfg.get("word_embedding_dimension"))
-    hidden = _read_json(path / "config.json").get("hidden_size")
+    hidden = read_json(path / "config.json", {}).get("hidden_size")
     if isinstance(width, int) and isinstance(hidden, int) and width != hidden:
         raise ConfigError(f"{where}: embedding_dimension {width} is not the model's hidden "
                           f"size {hidden} ({path / 'config.json'}); the folder is "
@@ -189,14 +170,14 @@ def st_max_length(path: str | Path) -> int | None:
     ``max_position_embeddings`` unless ``processor_kwargs`` set it, as sentence-transformers
     3 to 6 do. None when nothing says (or only a tokenizer's "no limit" value does)."""
     path = Path(path)
-    cfg = _read_json(path / "sentence_bert_config.json")
+    cfg = read_json(path / "sentence_bert_config.json", {})
     if isinstance(cfg.get("max_seq_length"), int):
         return int(cfg["max_seq_length"])
     kwargs = cfg.get("processor_kwargs") or cfg.get("tokenizer_args") or {}
     if isinstance(kwargs.get("model_max_length"), int):
         return int(kwargs["model_max_length"])
-    length = _read_json(path / "tokenizer_config.json").get("model_max_length")
-    positions = _read_json(path / "config.json").get("max_position_embeddings")
+    length = read_json(path / "tokenizer_config.json", {}).get("model_max_length")
+    positions = read_json(path / "config.json", {}).get("max_position_embeddings")
     if isinstance(positions, int) and positions != -1:
         length = min(length, positions) if isinstance(length, (int, float)) else positions
     if not isinstance(length, (int, float)) or length > _NO_LIMIT:
@@ -271,10 +252,13 @@ def _adapter_base(path: Path, meta: dict[str, Any]) -> str:
     """
     from .source import check_model_source
 
-    base = meta.get("base_model") or json.loads(
-        (path / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = meta.get("base_model") or read_json(path / "adapter_config.json", {}).get(
+        "base_model_name_or_path")
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: the adapter names no base model (adapter_config.json "
+                          f"base_model_name_or_path)")
     try:
-        check_model_source(base, option="base model")
+        check_model_source(base, option="base model", hub=True)
     except ConfigError as e:
         raise ConfigError(f"{path}: the adapter's {e}") from e
     return base
@@ -336,9 +320,11 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
     if (path / "model").is_dir() and (path / "trainer_state.pt").exists():
         path = path / "model"  # a checkpoint directory
     if not path.exists():
-        raise ConfigError(f"--model: {path} does not exist")
+        from .source import check_model_source
+        check_model_source(path, hub=True)  # no such folder; a hub name not in the cache
+        raise ConfigError(f"--model: no such folder: {path}")
     meta_file = path / "bigbatch_encoder.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    meta = read_json(meta_file, {})
     from .vision import is_vision_language_model
 
     if is_vision_language_model(path):

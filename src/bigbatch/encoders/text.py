@@ -19,8 +19,15 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from .base import EncoderBase, pool
-from .source import check_model_source, hub_load_errors, load_pretrained, model_reference
+from .base import EncoderBase, clip_for_tokenizer, pool
+from .source import (
+    check_model_source,
+    check_positions,
+    check_tokenizer_fits,
+    hub_load_errors,
+    load_pretrained,
+    model_reference,
+)
 
 __all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES", "check_texts"]
 
@@ -112,7 +119,7 @@ class TextEncoder(EncoderBase):
         super().__init__()
         from transformers import AutoTokenizer
 
-        check_model_source(model)
+        check_model_source(model, hub=True)  # a hub name fails fast without a network
         if pooling not in POOLING_MODES:
             raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
         if exclude_prompt_from_pooling and pooling != "mean":
@@ -135,6 +142,8 @@ class TextEncoder(EncoderBase):
             self.tokenizer.pad_token = self.tokenizer.eos_token
         kwargs = {"dtype": dtype} if dtype is not None else {}
         self.model = load_pretrained(self.model_name, self._allowed_missing, **kwargs)
+        check_tokenizer_fits(self.tokenizer, self.model, self.model_name)
+        check_positions(self.max_length, self.model.config, str(model))  # eval, mine, train
         self.lora_r = 0
         if lora_r > 0:
             self._apply_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules)
@@ -160,7 +169,8 @@ class TextEncoder(EncoderBase):
         length = max_length or self.max_length
         parts = []
         for lo in range(0, max(len(texts), 1), block):
-            enc = self.tokenizer([prefix + t for t in texts[lo:lo + block]], padding=True,
+            rows = [prefix + clip_for_tokenizer(t, length) for t in texts[lo:lo + block]]
+            enc = self.tokenizer(rows, padding=True,
                                  truncation=True, max_length=length, return_tensors="pt")
             part = {k: v for k, v in enc.items() if k in keys}
             if self.exclude_prompt_from_pooling:

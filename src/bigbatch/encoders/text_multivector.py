@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from ..engine.embeddings import TokenEmbeddings
 from ..errors import ConfigError
 from .base import scored_rows, tokens_in_order
+from .source import read_json
 from .text import TextEncoder, check_texts
 
 __all__ = ["MultiVectorTextEncoder", "multivector_settings", "QUERY_MARKER", "DOC_MARKER",
@@ -55,11 +56,8 @@ _IDENTITY = "torch.nn.modules.linear.Identity"
 _DENSE_WEIGHTS = "model.safetensors"
 
 
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text()) if path.exists() else {}
-    except ValueError as e:
-        raise ConfigError(f"{path}: not valid JSON: {e}") from e
+def _json(path: Path) -> Any:
+    return read_json(path, {}, mapping=False)  # (modules.json is a list)
 
 
 def _dense_folder(path: Path) -> Path | None:

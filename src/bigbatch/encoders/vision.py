@@ -23,7 +23,6 @@ optionally a ``text`` shown beside it, such as :class:`bigbatch.data.records.ima
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,10 +32,17 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError, InputError
-from .base import EncoderBase, check_side, pool
+from .base import EncoderBase, check_side, clip_for_tokenizer, pool
 from .image_inputs import image_text, is_image_doc, load_image
 from .instructions import DOC_INSTRUCTION, QUERY_INSTRUCTION
-from .source import check_model_source, hub_load_errors, load_pretrained, model_reference
+from .source import (
+    check_model_source,
+    check_tokenizer_fits,
+    hub_load_errors,
+    load_pretrained,
+    model_reference,
+    read_json,
+)
 
 __all__ = ["VisionLanguageEncoder", "VL_MODEL_TYPES", "QUERY_INSTRUCTION", "DOC_INSTRUCTION",
            "is_vision_language_model", "pixels_per_visual_token"]
@@ -62,14 +68,14 @@ def is_vision_language_model(path: str | os.PathLike) -> bool:
     p = Path(path)
     meta = p / "bigbatch_encoder.json"
     if meta.exists():
-        return json.loads(meta.read_text()).get("encoder") == "vision-language"
+        return read_json(meta).get("encoder") == "vision-language"
     adapter = p / "adapter_config.json"
     if adapter.exists() and not (p / "config.json").exists():
-        base = json.loads(adapter.read_text()).get("base_model_name_or_path")
-        return bool(base) and is_vision_language_model(base)
+        base = read_json(adapter).get("base_model_name_or_path")
+        return isinstance(base, str) and bool(base) and is_vision_language_model(base)
     cfg = p / "config.json"
     if cfg.exists():
-        return json.loads(cfg.read_text()).get("model_type") in VL_MODEL_TYPES
+        return read_json(cfg).get("model_type") in VL_MODEL_TYPES
     return False
 
 
@@ -108,7 +114,7 @@ class VisionLanguageEncoder(EncoderBase):
         super().__init__()
         from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-        check_model_source(model)
+        check_model_source(model, hub=True)  # a hub name fails fast without a network
         self.model_name = self.base_model_name = model_reference(model)
         with hub_load_errors(self.model_name):
             config = AutoConfig.from_pretrained(self.model_name)
@@ -139,6 +145,7 @@ class VisionLanguageEncoder(EncoderBase):
             self.tokenizer.pad_token = self.tokenizer.eos_token
         kwargs = {"dtype": dtype} if dtype is not None else {}
         self.model = load_pretrained(self.model_name, **kwargs)
+        check_tokenizer_fits(self.tokenizer, self.model, self.model_name)
         self.image_token_id = int(config.image_token_id)
         self.vision_start_id = self._special_id(config, "vision_start_token_id", "<|vision_start|>")
         self.vision_end_id = self._special_id(config, "vision_end_token_id", "<|vision_end|>")
@@ -222,6 +229,7 @@ class VisionLanguageEncoder(EncoderBase):
         ordinary text tokens, so it can neither fake an image slot nor end the turn."""
         if not texts:
             return []
+        texts = [clip_for_tokenizer(t, self.max_length) for t in texts]
         return self.tokenizer(texts, add_special_tokens=False, truncation=True,
                               max_length=self.max_length, split_special_tokens=True)["input_ids"]
 

@@ -118,8 +118,31 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Wo
     local = int(os.environ.get("LOCAL_RANK", 0))
     if backend == "nccl":
         torch.cuda.set_device(local)
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = _restart_store(timeout)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return world_info()
+
+
+def _restart_store(timeout: timedelta) -> Any:
+    """For the workers of a restarted torchrun job (``--max-restarts``; its
+    ``TORCHELASTIC_RESTART_COUNT`` above 0): the agent's store under a prefix of this
+    attempt. The agent keeps one store across restarts, and without the prefix the new
+    workers read the addresses the dead ones published there and fail to connect (gloo:
+    "connectFullMesh failed ... Connection refused"), or wait in their first new group.
+    None otherwise (the default rendezvous)."""
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt in ("", "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), False, timeout=timeout)
+    return dist.PrefixStore(f"bigbatch/attempt_{attempt}", store)
 
 
 def _comm_device(t: Tensor | torch.device, group: Any) -> torch.device:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from ..data.readers.beir_dir import corpus_doc, iter_corpus
+from ..data.readers.files import cache_errors
 from ..data.readers.jsonl import iter_jsonl
 from ..data.records.types import ImageDoc, doc_key
 
@@ -111,13 +113,16 @@ def embed_corpus(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
     if cached is not None:
         return cached
     ids: list[str] = []
-    writer = EmbeddingFile(cache_dir)
+    with cache_errors(cache_dir or tempfile.gettempdir()):  # read-only or full: named
+        writer = EmbeddingFile(cache_dir)
     bar = progress_bar(desc="embed corpus", unit="doc") if progress else None
     try:
         for blk in iter_corpus(corpus_path, block):
             ids.extend(d for d, _ in blk)
-            writer.append(encoder.encode([t for _, t in blk], side="doc",
-                                         batch_size=batch_size, device=device))
+            emb = encoder.encode([t for _, t in blk], side="doc", batch_size=batch_size,
+                                 device=device)
+            with cache_errors(cache_dir or tempfile.gettempdir()):
+                writer.append(emb)
             if bar is not None:
                 bar.update(len(blk))
     finally:
@@ -125,7 +130,8 @@ def embed_corpus(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
             bar.close()
         emb = writer.finish()
     if cache is not None:
-        save_embeddings(cache, ids, emb)
+        with cache_errors(cache_dir):
+            save_embeddings(cache, ids, emb)
     return ids, emb
 
 
@@ -179,8 +185,12 @@ def save_embeddings(path: Path, ids: list[str], emb: torch.Tensor) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save({"ids": ids, "emb": emb}, tmp)
-    tmp.replace(path)
+    try:
+        torch.save({"ids": ids, "emb": emb}, tmp)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no half file left in the cache
+        raise
 
 
 def load_embeddings(path: Path) -> tuple[list[str], torch.Tensor] | None:

@@ -160,8 +160,8 @@ def check_beir_split(root: str | Path, split: str = "test",
     query), so a run finds a bad evaluation set before training, not after it.
 
     Raises:
-        DataError: a missing file, a malformed line, a qrels id missing from the corpus or
-            queries, or a metric the split cannot give.
+        DataError: a missing file, a malformed line, no query with a relevant judgement, a
+            qrels id missing from the corpus or queries, or a metric the split cannot give.
     """
     from ..data.readers.beir_dir import load_qrels, load_queries
     from ..data.readers.jsonl import iter_jsonl
@@ -172,6 +172,10 @@ def check_beir_split(root: str | Path, split: str = "test",
         raise DataError("evaluation data must be a BEIR directory (corpus.jsonl, "
                         "queries.jsonl, qrels/<split>.tsv)", path=str(root))
     qrels = load_qrels(root / "qrels" / f"{split}.tsv")
+    if not any(r > 0 for rel in qrels.values() for r in rel.values()):
+        raise DataError(f"no query has a relevant judgement (score > 0) among the "
+                        f"{len(qrels)} of qrels/{split}.tsv: nothing to evaluate (every "
+                        f"metric would be NaN)", path=str(root / "qrels" / f"{split}.tsv"))
     load_queries(root / "queries.jsonl", set(qrels))
     corpus = root / "corpus.jsonl"
     if not corpus.exists():
@@ -261,6 +265,7 @@ def evaluate_beir(encoder: Any, root: str | Path, split: str = "test", batch_siz
     the documents' token vectors are stored once (float16, memory-mapped; in ``cache_dir``
     when given, else a temporary folder), see :mod:`bigbatch.retrieval.token_store`."""
     root = Path(root)
+    check_beir_split(root, split)  # qrels, queries and corpus ids agree: before any embedding
     qrels, query_ids, texts = _split_queries(root, split)
     scorer = _SCORERS[bool(getattr(encoder, "multi_vector", False))]
     doc_ids, scores, block = scorer(encoder, root / "corpus.jsonl", texts, batch_size, device,
@@ -285,6 +290,7 @@ def evaluate_beir_dims(encoder: Any, root: str | Path, dims: Sequence[int], spli
     if getattr(encoder, "multi_vector", False):
         raise ConfigError("--dims applies to one vector per text; this model is multi-vector")
     root = Path(root)
+    check_beir_split(root, split)  # before any embedding
     qrels, query_ids, texts = _split_queries(root, split)
     width = encoder.encode(texts[:1], side="query", device=device).shape[1]  # before the corpus
     too_wide = [m for m in dims if m > width]

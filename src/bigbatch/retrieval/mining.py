@@ -42,6 +42,7 @@ from ..data.readers.beir_dir import corpus_texts, iter_corpus, load_qrels, load_
 from ..data.records.types import ImageDoc, doc_key
 from ..errors import ConfigError
 from .corpus_cache import embed_corpus
+from .evaluate import check_beir_split
 
 __all__ = ["MiningOptions", "MiningReport", "mine_hard_negatives"]
 
@@ -174,6 +175,7 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
     and write them to ``out`` (JSONL); returns the report (also written as ``out``.report.json)."""
     options.validate()
     root = Path(root)
+    check_beir_split(root, split)  # qrels, queries and corpus ids agree: before any embedding
     qrels = {q: {d: s for d, s in rel.items() if s > 0}
              for q, rel in load_qrels(root / "qrels" / f"{split}.tsv").items()}
     qrels = {q: rel for q, rel in qrels.items() if rel}

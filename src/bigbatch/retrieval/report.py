@@ -4,7 +4,29 @@ split and on the unseen-document queries)."""
 
 from __future__ import annotations
 
-__all__ = ["format_eval_table", "print_summary", "duration"]
+import json
+import math
+from typing import Any
+
+__all__ = ["format_eval_table", "print_summary", "duration", "finite", "json_text"]
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (a metric of no query, a loss that
+    overflowed) replaced by None, so that it is valid JSON (``null``): Python's ``json``
+    writes ``NaN``, which no JSON reader accepts."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def json_text(value: Any, indent: int | None = None) -> str:
+    """``value`` as strict JSON (:func:`finite`: no NaN, no Infinity)."""
+    return json.dumps(finite(value), indent=indent, allow_nan=False)
 
 
 def format_eval_table(results: list[dict]) -> str:

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ..data.readers.beir_dir import iter_corpus
+from ..data.readers.files import cache_errors
 from ..engine.embeddings import TokenEmbeddings, stack_rows
 from ..losses.maxsim import maxsim_scores
 from .corpus_cache import corpus_key, embeddings_file
@@ -169,14 +170,16 @@ def embed_corpus_tokens(encoder: Any, corpus_path: str | Path, *, batch_size: in
     for blk in iter_corpus(corpus_path, block):
         for idx, rows in encoder.encode_tokens([t for _, t in blk], side="doc",
                                                batch_size=batch_size, device=device):
-            if writer is None:
-                writer = TokenStoreWriter(path, rows[0].shape[1])
-            writer.add([len(ids) + i for i in idx], rows)
+            with cache_errors(path.parent):  # a read-only or full cache folder, named
+                if writer is None:
+                    writer = TokenStoreWriter(path, rows[0].shape[1])
+                writer.add([len(ids) + i for i in idx], rows)
         ids.extend(d for d, _ in blk)
         if bar is not None:
             bar.update(len(blk))
     if bar is not None:
         bar.close()
-    if writer is None:  # an empty corpus
-        writer = TokenStoreWriter(path, 0)
-    return writer.finish(ids, cleanup)
+    with cache_errors(path.parent):
+        if writer is None:  # an empty corpus
+            writer = TokenStoreWriter(path, 0)
+        return writer.finish(ids, cleanup)

@@ -6,33 +6,83 @@ random state (per rank), the data position and the id of the run that wrote it
 (``run.json``): the latest checkpoint and the rotation consider the folder's own run only.
 A write that fails (a full disk) raises :class:`~bigbatch.errors.OutputError` naming the
 file and the free space, and leaves the previous checkpoint as it was.
+
+Each checkpoint carries ``manifest.json``: every file it holds with its size and SHA-256,
+written inside the atomic write, so that a checkpoint cut short or altered later (a copy
+that stopped, a disk that lost blocks, a hand edit) is found before it is loaded
+(:func:`checkpoint_problem`) and a resume can take the newest intact one instead.
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import json
 import os
 import pickle
 import random
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import ConfigError, OutputError
-from .durable import fsync_dir, move_into_new_folder
+from ..errors import ConfigError
+from .durable import free_space, fsync_dir, move_into_new_folder, write_errors
 from .runid import belongs_to, run_id_of, write_run_file
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
            "rotate_checkpoints", "abandon_later_checkpoints", "recover_output_dir",
            "finished_run", "rng_state", "set_rng_state", "safe_load", "atomic_dir", "fsync_dir",
-           "write_errors", "free_space"]
+           "write_errors", "free_space", "MANIFEST", "write_manifest", "checkpoint_problem",
+           "saved_state"]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+MANIFEST = "manifest.json"  # every file of a checkpoint: size and SHA-256
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: str | Path) -> Path:
+    """Write ``folder/manifest.json``: each file under ``folder`` (relative path) with its
+    size and SHA-256 (called inside the atomic write of a checkpoint, before its rename)."""
+    folder = Path(folder)
+    files = {str(f.relative_to(folder)): {"size": f.stat().st_size, "sha256": _sha256(f)}
+             for f in sorted(folder.rglob("*")) if f.is_file() and f.name != MANIFEST}
+    path = folder / MANIFEST
+    path.write_text(json.dumps({"version": 1, "files": files}, indent=1) + "\n")
+    return path
+
+
+def checkpoint_problem(folder: str | Path) -> str | None:
+    """What is wrong with a checkpoint by its manifest (a file missing, of another size, or
+    whose SHA-256 differs: cut short or altered since it was written), or None when it is
+    intact. A checkpoint from before manifests is taken as it is (None) when it holds its
+    trainer state."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.exists():
+        return None if (folder / "trainer_state.pt").exists() else "no trainer_state.pt"
+    try:
+        files = json.loads(path.read_text())["files"]
+        items = [(str(k), int(v["size"]), str(v["sha256"])) for k, v in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return f"its {MANIFEST} cannot be read (damaged)"
+    for name, size, digest in items:
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} is {f.stat().st_size:,} bytes, {size:,} when it was written (cut short?)"
+        if _sha256(f) != digest:
+            return f"{name} was altered since it was written (its SHA-256 differs)"
+    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -203,50 +253,9 @@ def save_checkpoint(path: str | Path, *, encoder: Any, loss_fn: torch.nn.Module,
             config.write(tmp / "config.yaml")
             if state.get("run_id"):
                 write_run_file(tmp, state["run_id"], step=state.get("step"))
+        with write_errors(path / MANIFEST, hint):
+            write_manifest(tmp)
     return path
-
-
-def free_space(path: str | Path) -> str:
-    """The free space on the file system holding ``path`` (or its nearest existing folder),
-    for messages: ``"1.2 GB free on /data"``; empty when it cannot be told."""
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        free = shutil.disk_usage(p).free
-    except OSError:
-        return ""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if free >= size:
-            return f"{free / size:.1f} {unit} free on {p}"
-    return f"{free} bytes free on {p}"
-
-
-# what torch's and safetensors' writers say when a write stops short (a full disk): the
-# first failure names the write, a later one often only "unexpected pos N vs M"
-_WRITE_FAILURES = ("unexpected pos", "writ", "no space left", "disk quota")
-
-
-@contextlib.contextmanager
-def write_errors(target: str | Path, hint: str) -> Iterator[None]:
-    """Turn a failed write of ``target`` (an OSError, or torch's RuntimeError from a stream
-    that stopped short) into an :class:`OutputError` naming ``target``, the free space and
-    ``hint`` (what to do next)."""
-    try:
-        yield
-    except OutputError:
-        raise
-    except (OSError, RuntimeError) as e:
-        text = str(e).strip().splitlines()[0].strip() if str(e).strip() else type(e).__name__
-        if isinstance(e, RuntimeError) and not any(w in str(e).lower() for w in _WRITE_FAILURES):
-            raise
-        if isinstance(e, OSError) and e.strerror:
-            text = e.strerror
-        space = free_space(target)
-        raise OutputError(f"could not write {target}: {text}"
-                          + (f" ({space})" if space else "")
-                          + f"; is the disk full? Free some space (or lower --save-total-limit), "
-                            f"then {hint}") from e
 
 
 def load_checkpoint(path: str | Path, *, encoder: Any, loss_fn: torch.nn.Module,
@@ -267,6 +276,15 @@ def load_checkpoint(path: str | Path, *, encoder: Any, loss_fn: torch.nn.Module,
     if missing:
         raise ConfigError(f"--resume: {path} was saved from a different model or LoRA setting "
                           f"(missing {missing[:3]}...)")
+    other = [(n, tuple(t.shape), tuple(params[n].shape)) for n, t in blob["trainable"].items()
+             if n in params and tuple(t.shape) != tuple(params[n].shape)]
+    unknown = [n for n in blob["trainable"] if n not in params]
+    if other or unknown:
+        what = (f"{other[0][0]} is {other[0][1]} there, {other[0][2]} here" if other else
+                f"{unknown[0]} is not a weight of this model")
+        raise ConfigError(f"--resume: {path} was saved from a model of another shape ({what}; "
+                          f"{len(other) + len(unknown)} weight(s) differ); resume with the "
+                          f"--model and settings it was trained with")
     with torch.no_grad():
         for n, t in blob["trainable"].items():
             params[n].copy_(t)
@@ -326,6 +344,21 @@ def rotate_checkpoints(output_dir: str | Path, keep: int, run_id: str | None = N
         return
     for _, p in list_checkpoints(output_dir, run_id, complete=False)[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+def saved_state(ckpt: str | Path) -> dict[str, Any]:
+    """The training state a checkpoint holds (step, data position, base model, ...), read
+    memory-mapped (the optimizer state is not read); empty when there is none.
+
+    Raises:
+        ConfigError: its trainer state cannot be read safely (:func:`safe_load`).
+    """
+    f = Path(ckpt) / "trainer_state.pt"
+    if not f.exists():
+        return {}
+    blob = safe_load(f, mmap=True)
+    state = blob.get("state") if isinstance(blob, dict) else None
+    return state if isinstance(state, dict) else {}
 
 
 def _saved_step(ckpt: Path) -> int | None:

@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from ..encoders.instructions import DOC_INSTRUCTION, QUERY_INSTRUCTION
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from .model_defaults import model_defaults
 from .option_values import PATH_KEYS, comma_list, key_lines, number_list, parse_typed, resolve_path
 
 __all__ = ["TrainConfig", "load_config", "option", "parse_value", "SECTIONS", "DTYPES",
            "ENCODERS", "MODES", "POOLINGS", "SCHEDULERS", "QUERY_SIDE_BACKWARDS",
-           "DOC_NEGATIVES", "one_of", "option_type", "device_problem", "number_list",
+           "DOC_NEGATIVES", "one_of", "option_type", "device_problem", "number_list", "config_file_of",
            "comma_list"]
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -75,6 +75,7 @@ def option(default: Any = None, *, section: str, help: str, choices: tuple[str, 
 
 # the configs validate() passed (kept outside them: a config holds its options only)
 _VALID: dict[int, weakref.ref] = {}
+_CONFIG_FILES: dict[int, tuple[weakref.ref, str]] = {}  # config -> the YAML file it was read from
 
 
 @dataclass(frozen=True)
@@ -233,8 +234,12 @@ class TrainConfig:
     save_total_limit: int = option(2, section="run", help=(
         "keep this many newest checkpoints (plus best/)"))
     resume: str | None = option(None, section="run", help=(
-        "checkpoint directory (or output directory: its latest checkpoint) to resume "
-        "(default: none, a new run)"))
+        "checkpoint directory (or output directory: its newest intact checkpoint) to resume, "
+        "or auto: --output-dir's run, continued when it has a checkpoint (for jobs restarted "
+        "as they started: torchrun --max-restarts, a requeued job) (default: none, a new run)"))
+    strict: bool = option(False, section="run", help=(
+        "stop the run at a step that cannot teach (loss and gradient 0, overflowing logits) "
+        "instead of warning once"))
     overwrite: bool = option(False, section="run", help=(
         "start a new run in an --output-dir that holds another run or other files: move what "
         "it holds into <output-dir>/previous-<timestamp>/ first (nothing is deleted)"))
@@ -287,7 +292,7 @@ class TrainConfig:
         """Raise :class:`ConfigError` naming the option for any impossible value; returns the
         config, marked valid (:meth:`checked`)."""
         def bad(name: str, why: str) -> ConfigError:
-            return ConfigError(f"--{name.replace('_', '-')}: {why} (got {getattr(self, name)!r})")
+            return ConfigError(f"--{name.replace('_', '-')}: {why} (got {shown(getattr(self, name))})")
 
         for f in dataclasses.fields(self):  # inf or nan passes every comparison check below
             value = getattr(self, f.name)
@@ -307,9 +312,13 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise bad(name, "must be > 0")
         for name in ("warmup_steps", "eval_steps", "save_steps", "num_hard_negatives",
-                     "lora_r", "lora_alpha", "save_total_limit"):
+                     "lora_r", "lora_alpha"):
             if getattr(self, name) < 0:
                 raise bad(name, "must be >= 0")
+        if self.save_total_limit < 1:  # 0 used to keep every checkpoint, silently
+            raise bad("save_total_limit", "must be >= 1: the newest checkpoints kept (a run "
+                                          "resumes from one); to keep every one, give at least "
+                                          "the run's number of checkpoints")
         if self.query_grad_cache_chunk is not None and self.query_grad_cache_chunk <= 0:
             raise bad("query_grad_cache_chunk", "must be > 0")
         if self.loss_block_size is not None and self.loss_block_size < 0:
@@ -617,16 +626,15 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """Defaults, then the YAML file ``path`` (keys spelled with ``_`` or ``-``), then
     ``overrides`` (the flags given on the command line). Returns a validated config."""
     values: dict[str, Any] = {}
+    config_file = None
     if path is not None:
-        import yaml
+        from ..data.readers.yaml_file import load_yaml
 
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"--config: file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+        loaded = load_yaml(p, "YAML configuration") or {}  # aliases bounded, plain values only
+        config_file = str(p.absolute())  # an input --overwrite keeps
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a mapping of option: value")
         lines = key_lines(p.read_text(), str(p))
@@ -651,6 +659,18 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if values["output_dir"] == TrainConfig.output_dir:  # the default: the working directory's
         values["output_dir"] = resolve_path("output_dir", values["output_dir"], Path.cwd())
     values = model_defaults(values, TrainConfig.max_length)
-    return TrainConfig(**values).validate()
+    config = TrainConfig(**values).validate()
+    if config_file is not None:
+        key = id(config)  # remembered by identity, as validation is: the config never changes
+        _CONFIG_FILES[key] = (weakref.ref(config, lambda _: _CONFIG_FILES.pop(key, None)),
+                              config_file)
+    return config
+
+
+def config_file_of(config: TrainConfig) -> str | None:
+    """The YAML file :func:`load_config` read ``config`` from (an input of the run, which
+    ``--overwrite`` never moves), or None."""
+    ref, path = _CONFIG_FILES.get(id(config), (None, None))
+    return path if ref is not None and ref() is config else None
 
 

@@ -1,15 +1,23 @@
 """Writing a run's files so that a kill or a crash leaves either the old version or the new
 one, never half of one: flushing a folder's entries, replacing a text file in one rename, and
-moving paths aside into a new folder of their own (nothing is ever deleted)."""
+moving paths aside into a new folder of their own (nothing is ever deleted). Also the one
+error path of every file a run or a command writes (:func:`write_errors`): a full disk, no
+permission or a read-only file system is an :class:`~bigbatch.errors.OutputError` naming the
+file, the free space and what to do, and a file written with :func:`write_text_safely` is
+either all there or as it was (its temporary file removed)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["fsync_dir", "write_text_atomic", "move_into_new_folder"]
+from ..errors import OutputError, free_space
+
+__all__ = ["fsync_dir", "write_text_atomic", "move_into_new_folder", "write_errors",
+           "free_space", "write_text_safely"]
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -32,11 +40,15 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     this process); the caller flushes the folder's entries (:func:`fsync_dir`)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing half-written left beside it
+        raise
 
 
 def move_into_new_folder(parent: str | Path, prefix: str, paths: Iterable[Path]) -> Path:
@@ -54,3 +66,39 @@ def move_into_new_folder(parent: str | Path, prefix: str, paths: Iterable[Path])
         if p.exists() or p.is_symlink():
             os.replace(p, dest / p.name)
     return dest
+
+
+# what torch's and safetensors' writers say when a write stops short (a full disk): the
+# first failure names the write, a later one often only "unexpected pos N vs M"
+_WRITE_FAILURES = ("unexpected pos", "writ", "no space left", "disk quota")
+
+
+@contextlib.contextmanager
+def write_errors(target: str | Path, hint: str) -> Iterator[None]:
+    """Turn a failed write of ``target`` (an OSError, or torch's RuntimeError from a stream
+    that stopped short) into an :class:`OutputError` naming ``target``, the free space and
+    ``hint`` (what to do next)."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except (OSError, RuntimeError) as e:
+        text = str(e).strip().splitlines()[0].strip() if str(e).strip() else type(e).__name__
+        if isinstance(e, RuntimeError) and not any(w in str(e).lower() for w in _WRITE_FAILURES):
+            raise
+        if isinstance(e, OSError) and e.strerror:
+            text = e.strerror
+        space = free_space(target)
+        raise OutputError(f"could not write {target}: {text}"
+                          + (f" ({space})" if space else "")
+                          + f"; is the disk full (or the folder not writable)? Free some space "
+                            f"(or lower --save-total-limit), then {hint}") from e
+
+
+def write_text_safely(path: str | Path, text: str, hint: str) -> None:
+    """:func:`write_text_atomic` with the folder's entries flushed, and a failure as
+    :func:`write_errors` names it (``hint``: what to do next): the file is all there, or as
+    it was before."""
+    with write_errors(path, hint):
+        write_text_atomic(path, text)
+        fsync_dir(Path(path).absolute().parent)

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .durable import fsync_dir, write_text_atomic
+from ..retrieval.report import json_text
+from .durable import fsync_dir, write_errors, write_text_atomic
 
 __all__ = ["RunLogger", "plot_metrics", "truncate_metrics", "eval_columns", "format_eval_row",
            "REPORTERS", "check_reporters"]
@@ -177,8 +178,16 @@ class RunLogger:
             return
         rec = {"kind": kind, "step": step, "time": round(time.time(), 3)}
         rec.update({k: (float(v) if isinstance(v, (int, float)) else v) for k, v in values.items()})
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        line = json_text(rec) + "\n"  # a NaN loss is null: every row stays valid JSON
+        with write_errors(self.path, f"continue with --resume {self.dir}"), \
+                open(self.path, "a") as f:
+            size = f.tell()
+            try:
+                f.write(line)
+                f.flush()
+            except OSError:
+                f.truncate(size)  # no torn row left (a resume drops one anyway)
+                raise
         numbers = {k: v for k, v in values.items() if isinstance(v, (int, float))}
         for reporter in self.reporters:
             reporter.log(step, numbers, kind)

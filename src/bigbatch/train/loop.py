@@ -9,7 +9,12 @@ configuration, after checking the output folder is the run's to write: see
 optimizer step, then its logging, evaluation and checkpoint) and finish (the final
 checkpoint, ``final/``, the final evaluation and the summary). :func:`train` runs them in
 order; a run stopped by Ctrl-C raises :class:`RunInterrupted`, saying how to continue, and
-a run that fails before its first step removes the output folder it created.
+a run that fails before its first step removes the output folder it created. A run told to
+stop by SIGTERM or SIGUSR1 (a preempted job: :mod:`bigbatch.train.preempt`) finishes its
+step, writes its checkpoint on every rank together and raises :class:`RunPreempted`;
+``--resume auto`` continues the run in ``--output-dir`` from its newest intact checkpoint
+(or starts it, when there is none), so that a job restarted as it was started
+(``torchrun --max-restarts``, a requeued SLURM job) continues by itself.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 
 from .._progress import progress_bar
+from ..encoders.source import model_identity
 from ..engine import distributed as D
 from ..errors import ConfigError
 from .build import (
@@ -45,6 +51,7 @@ from .checkpoint import (
     recover_output_dir,
     rotate_checkpoints,
     save_checkpoint,
+    saved_state,
     write_errors,
 )
 from .config import TrainConfig
@@ -53,13 +60,23 @@ from .guide import Guide
 from .logging import RunLogger, eval_columns, format_eval_row, plot_metrics
 from .main_rank import barrier, from_main, gather_rng_states
 from .memory_check import check_fits, describe, estimate_run_step, free_memory
-from .outdir import check_output_dir, claim_output_dir, remove_created
-from .resume import check_resume_matches, check_resumed_data, check_resumed_step, resume_path
+from .outdir import check_output_dir, claim_output_dir, remove_created, run_inputs
+from .preempt import PREEMPTED_EXIT, StopSignals
+from .resume import (
+    auto_resume,
+    check_resume_matches,
+    check_resumed_base,
+    check_resumed_data,
+    check_resumed_step,
+    resume_path,
+)
 from .runid import new_run_id, run_id_of
 from .schedule import make_scheduler
 from .sources import ChainedRecords, data_identity, load_sources, mix_state
+from .step_checks import StepChecks
 
-__all__ = ["train", "Trainer", "StepCallback", "RunInterrupted", "base_beats_best"]
+__all__ = ["train", "Trainer", "StepCallback", "RunInterrupted", "RunPreempted",
+           "base_beats_best"]
 
 # the step values logged again under <value>/<source name> in a mix (one curve per source)
 _PER_SOURCE = ("loss", "accuracy", "margin", "pos_sim", "neg_sim", "hard_neg_sim")
@@ -78,8 +95,22 @@ class RunInterrupted(KeyboardInterrupt):
         super().__init__(message)
         self.step, self.checkpoint = step, checkpoint
 
+    exit_code = 130  # the command's exit status (as a shell gives a process stopped by Ctrl-C)
+
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class RunPreempted(RunInterrupted):
+    """A run stopped by SIGTERM or SIGUSR1 (``signal``) after finishing a step and writing
+    its checkpoint, on every rank; exits with
+    :data:`~bigbatch.train.preempt.PREEMPTED_EXIT`."""
+
+    exit_code = PREEMPTED_EXIT
+
+    def __init__(self, message: str, step: int, checkpoint: Path | None, signal: str) -> None:
+        super().__init__(message, step, checkpoint)
+        self.signal = signal
 
 
 def _improves(value: float, best: float | None, lower_is_better: bool) -> bool:
@@ -121,13 +152,18 @@ def train(config: TrainConfig, on_step_end: StepCallback | None = None) -> dict[
         if (done := trainer.resume()) is not None:
             return done
         trainer.start()
-        for batch in trainer.iterate():
-            if trainer.state["step"] >= trainer.max_steps:
-                break
-            trainer.step(batch)
-            if on_step_end is not None and on_step_end(trainer.state["step"],
-                                                       dict(trainer.state)):
-                return trainer.stop()
+        with StopSignals() as stop:  # SIGTERM, SIGUSR1: noted, acted on after the step
+            for batch in trainer.iterate():
+                if trainer.state["step"] >= trainer.max_steps:
+                    break
+                trainer.step(batch)
+                if on_step_end is not None and on_step_end(trainer.state["step"],
+                                                           dict(trainer.state)):
+                    return trainer.stop()
+                # every rank asks (one all-reduce of a flag), before the next batch is made
+                if trainer.state["step"] < trainer.max_steps and \
+                        (received := stop.agreed(trainer.info)) is not None:
+                    raise trainer.preempted(received)
         return trainer.finish()
     except KeyboardInterrupt as e:
         removed = trainer.abort()
@@ -154,16 +190,19 @@ class Trainer:
         self.device = device = device_for(config, info)
         self.out = Path(config.output_dir)
         self.ckpt: Path | None = None
+        if config.resume == "auto":  # this folder's run, continued if it has a checkpoint
+            config.resume, restart = auto_resume(self.out, announce=info.is_main)
+            config.overwrite = config.overwrite or restart
         if config.resume:
             if info.is_main and self.out.is_dir():
                 recover_output_dir(self.out)  # what a kill inside atomic_dir left, before any read
             barrier(info)
-            self.ckpt = resume_path(config.resume)
+            self.ckpt = resume_path(config.resume, announce=info.is_main)
         # the folder is the run's to write, checked (by every rank) before anything loads;
         # created, or its contents moved aside (--overwrite), when the run starts writing
         resume_run = run_id_of(self.ckpt) if self.ckpt is not None else None
         self.plan = check_output_dir(self.out, overwrite=config.overwrite, resume=self.ckpt,
-                                     resume_run=resume_run)
+                                     resume_run=resume_run, inputs=run_inputs(config))
         self.run_id: str = from_main(self._run_id(resume_run), info)
         self.steps_done = 0  # optimizer steps done by this process
         barrier(info)
@@ -218,12 +257,13 @@ class Trainer:
             "step": 0, "epoch": 0, "index": 0, "best": None, "best_step": None, "examples": 0,
             "base_metrics": None, "num_records": num_records, "train_data": train_data,
             "run_id": self.run_id, "sources": self.batches.start_positions(),
-            "mix": mix_state(self.batches)}
+            "mix": mix_state(self.batches), "base_model": model_identity(config.model)}
         self.logger: RunLogger | None = None
         self.bar: Any = None
         self.columns: list[str] | None = None  # of the evaluation rows printed
         self.last_metrics: dict[str, float] | None = None
         self.last_eval_step = -1
+        self.step_checks = StepChecks(config.strict, warn=info.is_main)
 
     def iterate(self) -> Any:
         """The batches from the run's position on (each source's own, and the step that
@@ -279,11 +319,14 @@ class Trainer:
             return None
         ckpt = self.ckpt
         check_resume_matches(ckpt, config, info)
+        base = model_identity(config.model)  # before any weight is copied from the checkpoint
+        check_resumed_base(ckpt, saved_state(ckpt).get("base_model"), base)
         self.state = load_checkpoint(ckpt, encoder=self.encoder, loss_fn=self.loss_fn,
                                      optimizer=self.optimizer, scheduler=self.scheduler,
                                      scaler=self.scaler, rank=info.rank)
         train_data, num_records = data_identity(self.batches)
         check_resumed_data(ckpt, train_data, num_records, self.state, mix_state(self.batches))
+        self.state["base_model"] = base
         check_resumed_step(ckpt, self.state["step"], self.max_steps)
         self.state["num_records"], self.state["train_data"] = num_records, train_data
         if "sources" not in self.state:  # a checkpoint from before mixes: one source
@@ -306,7 +349,8 @@ class Trainer:
         """Make the output folder this run's (create it, or move its contents aside with
         --overwrite; record the run id), on the main rank, before the run writes there."""
         if self.info.is_main:
-            claim_output_dir(self.plan, self.run_id)
+            with write_errors(self.out / "run.json", "then start the run again"):
+                claim_output_dir(self.plan, self.run_id)
         barrier(self.info)
 
     def start(self) -> None:
@@ -326,7 +370,8 @@ class Trainer:
         if self.step_memory is not None:  # stop now, with the numbers, rather than at step 1
             check_fits(self.step_memory, free_memory(self.device), self.device)
         if info.is_main:
-            config.write(self.out / "config.yaml")
+            with write_errors(self.out / "config.yaml", "then start the run again"):
+                config.write(self.out / "config.yaml")
             print(self._announcement(), flush=True)
         self.t_start = time.time()
         if not config.resume and config.eval_at_start:
@@ -414,14 +459,14 @@ class Trainer:
         """The model card ``README.md`` of the weights saved in ``model_dir`` (default
         ``folder``), written into ``folder`` with the run's figures so far."""
         from .card import render_model_card
-        from .durable import write_text_atomic
+        from .durable import write_text_safely
 
         state = {**self.state, "global_batch": self.batches.global_batch}
         text = render_model_card(model_dir or folder, self.config, state,
                                  self.out / "metrics.jsonl", kind=kind,
                                  chunk_sizes=self.cache.chunk_sizes,
                                  repo_id=self.config.push_to_hub if kind == "final" else None)
-        write_text_atomic(folder / "README.md", text)
+        write_text_safely(folder / "README.md", text, f"continue with --resume {self.out}")
         return folder / "README.md"
 
     def _save_step(self, step: int) -> None:
@@ -437,6 +482,7 @@ class Trainer:
         values = self._optimize(batch)
         self.steps_done += 1
         step, config = self.state["step"], self.config
+        self.step_checks.check(step, values)  # loss and gradient 0, overflowing logits
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}",
                              temp=f"{values['temperature']:.4f}",
@@ -558,6 +604,18 @@ class Trainer:
             return True
         return False
 
+    def preempted(self, received: str) -> RunPreempted:
+        """After a step, on every rank, when one was told to stop (``received``: SIGTERM or
+        SIGUSR1): the step's checkpoint written (unless ``--save-steps`` just wrote it), and
+        the :class:`RunPreempted` saying how to continue."""
+        step, config = self.state["step"], self.config
+        ckpt = self.out / f"checkpoint-{step:06d}"
+        if not (config.save_steps and step % config.save_steps == 0):
+            self._save_step(step)
+        return RunPreempted(f"bigbatch train: stopped by {received} after step {step} of "
+                            f"{self.max_steps}, its checkpoint written ({ckpt.name}); continue "
+                            f"with --resume {self.out} (or --resume auto)", step, ckpt, received)
+
     def interrupted(self, removed: bool = False) -> RunInterrupted:
         """The :class:`RunInterrupted` of a run stopped here: at which step, and how to go on
         (``removed``: the output folder was removed, nothing was written)."""
@@ -612,6 +670,8 @@ class Trainer:
                    "best": state["best"], "best_step": state["best_step"],
                    "output_dir": str(out), "final_model": str(out / "final"),
                    "run_id": self.run_id}
+        if self.step_checks.seen:  # steps that could not teach (warned about once each)
+            summary["futile_steps"] = dict(self.step_checks.seen)
         note = base_beats_best(state["base_metrics"], state["best"], state["best_step"],
                                self.config.best_metric, self.lower_is_better)
         if note:
@@ -620,8 +680,10 @@ class Trainer:
                 print(f"bigbatch train: note: {note}", flush=True)
         if self.config.push_to_hub and self.info.is_main:
             summary["push_to_hub"] = self._push()
-        if self.info.is_main:
-            import json
-            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.info.is_main:  # strict JSON: a metric of no query is null, not NaN
+            from ..retrieval.report import json_text
+            from .durable import write_text_safely
+            write_text_safely(out / "summary.json", json_text(summary, indent=2),
+                              f"continue with --resume {out}")
         summary["encoder"] = self.encoder
         return summary

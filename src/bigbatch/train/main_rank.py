@@ -16,7 +16,8 @@ from .checkpoint import rng_state
 
 T = TypeVar("T")
 
-__all__ = ["MAIN_RANK_WAIT", "barrier", "from_main", "main_first", "gather_rng_states"]
+__all__ = ["MAIN_RANK_WAIT", "barrier", "from_main", "main_first", "gather_rng_states",
+           "any_rank"]
 
 # how long the other ranks wait while the main rank evaluates, embeds a corpus or writes
 # a checkpoint alone: --dist-timeout bounds collectives, not how long an evaluation may take
@@ -39,6 +40,19 @@ def barrier(info: D.WorldInfo) -> None:
     if info.world_size > 1:
         import torch.distributed as dist
         dist.barrier(group=_wait_group())
+
+
+def any_rank(flag: int, info: D.WorldInfo) -> int:
+    """The largest of every rank's ``flag`` (a small integer), the same on every rank: one
+    all-reduce on the wait group (gloo, CPU), whatever the training backend."""
+    if info.world_size == 1:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([flag], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_wait_group())
+    return int(t.item())
 
 
 def from_main(obj: Any, info: D.WorldInfo) -> Any:

@@ -5,7 +5,13 @@ in a folder that does not exist yet or is empty; one that holds another run's fi
 other files, is refused with the choices: continue that run (``--resume DIR``), give a new
 ``--output-dir``, or ``--overwrite``, which moves the folder's contents into
 ``previous-<timestamp>/`` inside it (nothing is deleted) before the new run starts. A resume
-continues in the folder of the run it resumes (or in a new or empty one).
+continues in the folder of the run it resumes (or in a new or empty one). ``--overwrite``
+never moves an input of the run (its training or evaluation data, model, guide model,
+``--config`` or DeepSpeed file): a folder that holds one is refused (:func:`run_inputs`).
+
+An output that is an input of the same command (``eval --output D/corpus.jsonl``,
+``make-pairs D D/corpus.jsonl``, a ``convert`` or ``mine`` output over its input) is refused
+before the work by :func:`check_not_input`.
 
 The folder is write-tested first (:func:`bigbatch.data.readers.files.check_writable_folder`),
 so that an unwritable destination fails before the work, not after.
@@ -15,16 +21,19 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..data.readers.files import check_writable_folder
 from ..errors import ConfigError
+from .config import config_file_of
 from .durable import fsync_dir, move_into_new_folder
 from .runid import RUN_FILE, run_id_of, write_run_file
 
 __all__ = ["ARCHIVE_PREFIX", "OutputPlan", "check_output_dir", "claim_output_dir",
-           "remove_created"]
+           "remove_created", "run_inputs", "check_not_input", "DATA_SUFFIXES"]
 
 # --overwrite moves a folder's contents into <folder>/previous-<timestamp>/; such archives
 # stay where they are (a later --overwrite does not nest them) and do not make a folder
@@ -60,11 +69,33 @@ def _shown(entries: list[Path], n: int = 5) -> str:
     return ", ".join(names) + (f", ... ({len(entries)} entries)" if len(entries) > n else "")
 
 
+def _within(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it (symbolic links followed)."""
+    p, f = path.resolve(), folder.resolve()
+    return p == f or f in p.parents
+
+
+def run_inputs(config: Any) -> list[tuple[str, Path]]:
+    """(option, path) of each local file or folder a training run reads: ``--model``,
+    ``--guide-model``, every ``--train-data`` source and ``--eval-data`` set, the
+    ``--config`` file and the ``--deepspeed`` file (a hub name is none)."""
+    items: list[tuple[str, Any]] = [("--model", config.model),
+                                    ("--guide-model", config.guide_model),
+                                    ("--config", config_file_of(config)),
+                                    ("--deepspeed", config.deepspeed)]
+    items += [("--train-data", s.path) for s in config.train_sources()]
+    items += [("--eval-data", s.path) for s in config.eval_sets()]
+    return [(opt, Path(p)) for opt, p in items
+            if isinstance(p, (str, Path)) and p and Path(p).exists()]
+
+
 def check_output_dir(output_dir: str | Path, *, overwrite: bool = False,
-                     resume: Path | None = None, resume_run: str | None = None) -> OutputPlan:
+                     resume: Path | None = None, resume_run: str | None = None,
+                     inputs: Sequence[tuple[str, Path]] = ()) -> OutputPlan:
     """Decide whether a run may start in ``output_dir``, reading only (call on every rank,
     before anything loads). ``resume``: the checkpoint a resumed run continues, whose run
-    id is ``resume_run`` (None for a checkpoint from before run ids).
+    id is ``resume_run`` (None for a checkpoint from before run ids); ``inputs``: the run's
+    inputs (:func:`run_inputs`), which ``--overwrite`` may not move.
 
     A folder that does not exist or is empty is fine; so is, for a resume, the folder of
     the run it continues (its ``run.json`` names that run, or it holds the checkpoint). Any
@@ -109,6 +140,13 @@ def check_output_dir(output_dir: str | Path, *, overwrite: bool = False,
     if inside:
         raise ConfigError(f"--overwrite: the checkpoint to resume, {resume}, is inside "
                           f"{out}, which holds another run; resume into a new --output-dir")
+    held = [(opt, p) for opt, p in inputs if any(_within(p, e) for e in entries)
+            or p.resolve() == out.resolve()]
+    if held:
+        names = ", ".join(f"{p} ({opt})" for opt, p in held[:3])
+        raise ConfigError(f"--overwrite: {out} holds an input of this run: {names}; "
+                          f"--overwrite would move it away into {archive}. Give a new "
+                          f"--output-dir, or move the input out of {out} first")
     return OutputPlan(out, move_aside=entries)
 
 
@@ -139,3 +177,36 @@ def remove_created(plan: OutputPlan) -> bool:
         return False
     shutil.rmtree(plan.created_root, ignore_errors=True)
     return True
+
+
+# files a data folder holds that a command reads (a BEIR corpus, queries and qrels, shards)
+DATA_SUFFIXES = (".jsonl", ".tsv", ".csv", ".parquet", ".arrow")
+
+
+def check_not_input(output: str | Path, option: str,
+                    inputs: Iterable[tuple[str, str | Path | None]],
+                    output_is_folder: bool = False) -> None:
+    """Refuse an output that would replace what the same command reads, before the work:
+    an input file itself (symbolic links followed), an input folder, an existing data file
+    (:data:`DATA_SUFFIXES`) inside an input folder, any existing file inside an input model
+    folder (an input named ``--model``), or, for an output folder (``output_is_folder``),
+    one that holds an input. ``inputs``: (option, path) of what the command reads.
+
+    Raises:
+        ConfigError: naming ``option``, the output and the input it would replace.
+    """
+    out = Path(output)
+    for opt, given in inputs:
+        if not given or not Path(given).exists():
+            continue
+        src = Path(given)
+        if src.is_dir():
+            hit = out.resolve() == src.resolve() or (
+                _within(out, src) and out.is_file()
+                and (opt == "--model" or out.suffix.lower() in DATA_SUFFIXES))
+        else:
+            hit = out.exists() and out.resolve() == src.resolve()
+        if hit or (output_is_folder and _within(src, out)):
+            raise ConfigError(f"{option}: {out} is an input of this command ({opt} {src}); "
+                              f"writing it would replace what is read. Give another "
+                              f"{option}")

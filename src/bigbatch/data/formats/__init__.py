@@ -41,14 +41,13 @@ list of records; :func:`read_records` is the list of the same stream.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ...errors import DataError
 from ..readers.files import open_data_file
-from ..readers.jsonl import open_jsonl
+from ..readers.jsonl import open_jsonl, parse_json
 from ..readers.shards import is_shard_folder, shard_files
 from ..records.types import Doc, Problem, Record
 from . import beir, colpali, contrastors, st, swift
@@ -80,10 +79,9 @@ def _first_keys(path: Path) -> tuple[set | None, int | None, str]:
     with open_jsonl(path) as f:  # bad bytes are left to the reader to report
         for n, line in enumerate(f, 1):
             if line.strip():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    return None, n, f"malformed JSON at column {e.colno} ({e.msg})"
+                rec, why = parse_json(line)
+                if why is not None:
+                    return None, n, why
                 if not isinstance(rec, dict):
                     return None, n, "expected a JSON object"
                 return set(rec), n, ""

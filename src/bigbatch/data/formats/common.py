@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ...errors import shown
 from ..readers.jsonl import jsonl_rows, text_field
 from ..records.types import Doc, Problem, Record
 
@@ -134,7 +135,7 @@ def _score(v: Any, key: str, where: tuple[str, int], problems: list[Problem]) ->
             pass
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         problems.append(Problem(where[0], where[1], key, f"a teacher score must be a number, "
-                                f"got {json.dumps(v, default=repr)}"))
+                                f"got {shown(v)}"))
         return None
     if not math.isfinite(v):
         problems.append(Problem(where[0], where[1], key, f"{v} is not a finite number; a "

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ...errors import DataError
+from ...errors import DataError, shown
 from ..readers.files import open_data_file
 from ..readers.tables import is_hf_dataset, table_rows
 from ..records.types import Doc, Problem, Record
@@ -100,7 +100,7 @@ def parse(rec: dict, path: Path, n: int, problems: list[Problem]) -> Record | No
     """The record of one row of sentence-transformers columns (``rec``, row or line ``n`` of
     ``path``), or None, with what is wrong added to ``problems`` (see :func:`stream`)."""
     w = (str(path), n)
-    lost = [(k, f"a {k!r} column (bigbatch trains on (anchor, positive, negatives); "
+    lost = [(k, f"a {shown(k)} column (bigbatch trains on (anchor, positive, negatives); "
                 f"labelled or scored pairs are not all positives)")
             for k in _LABELS if k in rec]
     score_cols = _score_columns(rec)

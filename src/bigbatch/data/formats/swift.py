@@ -152,7 +152,8 @@ def parse(rec: dict, path: Path, n: int, problems: list[Problem]) -> Record | No
         pos = _doc(pos_convs[0], imgs, "positive_messages[0]", w, problems, lost)
     negs = []
     neg_convs = rec.get("negative_messages") or []
-    neg_imgs = rec.get("negative_images") or [[] for _ in neg_convs]
+    neg_imgs = rec.get("negative_images") or \
+        [[] for _ in (neg_convs if isinstance(neg_convs, list) else ())]
     if not isinstance(neg_convs, list):
         problems.append(Problem(str(path), n, "negative_messages", "must be a list of "
                                 "conversations"))

@@ -17,15 +17,16 @@ one, listed), or are collected for ``bigbatch validate``:
 from __future__ import annotations
 
 import csv
+import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...errors import DataError
+from ...errors import DataError, shown
 from ..records.image_checks import check_image
 from ..records.types import Doc, ImageDoc, Problem, Record, TrainRecord, problem_lines
-from .files import open_data_file, outside_root
+from .files import open_data_file, outside_root, text_too_long
 from .jsonl import iter_jsonl, jsonl_rows, text_field
 
 __all__ = ["iter_corpus", "corpus_texts", "BeirData", "load_beir", "load_qrels", "load_queries", "read_beir",
@@ -65,39 +66,95 @@ def require_split(root: str | Path, split: str, option: str) -> Path:
     """
     path = Path(root) / "qrels" / f"{split}.tsv"
     if not path.is_file():
-        raise DataError(f"{option} {split!r}: there is no qrels/{split}.tsv "
+        raise DataError(f"{option} {shown(split)}: there is no qrels/{split}.tsv "
                         f"({_splits(path.parent)}); name one of those", path=str(root))
     return path
 
 
+# a qrels file's header names: the first column's, and the relevance column's
+_QUERY_NAMES = {"query-id", "query_id", "queryid", "qid", "query", "topic"}
+_SCORE_NAMES = {"score", "relevance", "rel", "label", "grade", "judgement", "judgment"}
+# the layouts of a qrels file, by column count: (query, document, relevance) columns, name
+QRELS_LAYOUTS = {
+    3: (0, 1, 2, "BEIR's query-id<TAB>corpus-id<TAB>score"),
+    4: (0, 2, 3, "TREC's query-id 0 doc-id relevance"),
+}
+_LAYOUT_HELP = ("qrels hold BEIR's query-id<TAB>corpus-id<TAB>score (3 columns, a "
+                "header line first) or TREC's query-id 0 doc-id relevance (4 columns, tabs or "
+                "spaces, no header)")
+
+
+def _qrels_rows(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """(line, fields) of each non-empty line of a qrels file: split at tabs, or at runs of
+    spaces in a line without a tab (trec_eval's whitespace-separated form)."""
+    with open_data_file(path, encoding="utf-8-sig", errors="surrogateescape",
+                        newline="") as f:
+        for n, row in enumerate(csv.reader(f, delimiter="\t"), 1):
+            if len(row) == 1:
+                row = row[0].split()
+            if row and any(v.strip() for v in row):
+                yield n, [v.strip() for v in row]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_header(row: list[str]) -> bool:
+    """Whether a first line names the columns (its relevance is no number, and it names the
+    query or the relevance column as BEIR, TREC or a common spelling does)."""
+    return not _is_number(row[-1]) and (row[0].lower() in _QUERY_NAMES
+                                        or row[-1].lower() in _SCORE_NAMES)
+
+
 def load_qrels(path: str | Path) -> dict[str, dict[str, int]]:
-    """``{query_id: {doc_id: relevance}}`` from a BEIR qrels TSV (header line skipped; a
-    UTF-8 byte-order mark is skipped too). Relevance is an integer grade, as trec_eval and
-    BEIR read it: a fractional score is an error rather than silently truncated."""
+    """``{query_id: {doc_id: relevance}}`` from a qrels file, its layout detected as
+    :data:`QRELS_LAYOUTS` lists: BEIR's 3 columns (a header line first, skipped; a UTF-8
+    byte-order mark too) or TREC's 4 (``qid 0 pid rel``, as MS MARCO and trec_eval write
+    them, with or without a header), read as trec_eval reads them. Relevance is an integer
+    grade, as trec_eval and BEIR read it: a fractional score is an error rather than
+    silently truncated.
+
+    Raises:
+        DataError: a missing file; another column count (a TREC run file, say), or lines of
+            different layouts, naming the line; a relevance that is no integer.
+    """
     path = Path(path)
     if not path.exists():
         raise DataError(f"qrels file not found ({_splits(path.parent)})", path=str(path))
     qrels: dict[str, dict[str, int]] = {}
-    with open_data_file(path, encoding="utf-8-sig", newline="") as f:
-        for n, row in enumerate(csv.reader(f, delimiter="\t"), 1):
-            if n == 1 and row and row[0] in ("query-id", "query_id", "qid"):
-                continue
-            if not row:
-                continue
-            if len(row) < 3:
-                raise DataError("expected query-id<TAB>corpus-id<TAB>score", path=str(path),
+    layout: tuple[int, int] | None = None  # (columns, the line that set them)
+    for n, row in _qrels_rows(path):
+        if layout is None:
+            if len(row) not in QRELS_LAYOUTS:
+                run = "; it looks like a TREC run file (qid Q0 doc rank score tag), not " \
+                      "qrels" if len(row) == 6 else ""
+                raise DataError(f"{len(row)} column(s){run}; {_LAYOUT_HELP}", path=str(path),
                                 line=n)
-            try:
-                value = float(row[2])
-            except ValueError as e:
-                raise DataError(f"score {row[2]!r} is not a number", path=str(path), line=n,
-                                field="score") from e
-            if not value.is_integer():
-                raise DataError(f"score {row[2]!r} is not an integer relevance grade "
-                                f"(trec_eval and BEIR read grades as integers; round them "
-                                f"first)", path=str(path), line=n, field="score")
-            score = int(value)
-            qrels.setdefault(row[0], {})[row[1]] = score
+            layout = (len(row), n)
+            if _is_header(row):
+                continue
+        if len(row) != layout[0]:
+            raise DataError(f"{len(row)} column(s), but line {layout[1]} has {layout[0]} "
+                            f"({QRELS_LAYOUTS[layout[0]][3]}): one file holds one layout "
+                            f"({_LAYOUT_HELP})", path=str(path), line=n)
+        qcol, dcol, scol, _ = QRELS_LAYOUTS[layout[0]]
+        text = row[scol]
+        if not _is_number(text):
+            raise DataError(f"score {shown(text)} is not a number ({_LAYOUT_HELP})",
+                            path=str(path), line=n, field="score")
+        value = float(text)
+        if not math.isfinite(value) or not value.is_integer():
+            raise DataError(f"score {shown(text)} is not an integer relevance grade "
+                            f"(trec_eval and BEIR read grades as integers; round them "
+                            f"first)", path=str(path), line=n, field="score")
+        if not row[qcol] or not row[dcol]:
+            raise DataError("an empty query or document id", path=str(path), line=n)
+        qrels.setdefault(row[qcol], {})[row[dcol]] = int(value)
     return qrels
 
 
@@ -116,7 +173,7 @@ def _id_lines(path: Path, problems: list[Problem]) -> Iterator[tuple[int, str | 
                                     "must be a non-empty string (or integer) id"))
             yield n, None, rec
         elif str(v) in first:
-            problems.append(Problem(str(path), n, "_id", f"duplicate id {str(v)!r} (first on "
+            problems.append(Problem(str(path), n, "_id", f"duplicate id {shown(str(v))} (first on "
                                     f"line {first[str(v)]}): remove the repeated line or give "
                                     f"it its own id (a document listed twice is retrieved "
                                     f"twice, and recall and nDCG go above 1)"))
@@ -131,6 +188,9 @@ def _string(rec: dict, key: str, where: tuple[str, int], problems: list[Problem]
     """Whether ``rec[key]`` is a string (absent or null allowed unless ``required``); a
     problem at ``where`` when not."""
     v = rec.get(key)
+    if isinstance(v, str) and (why := text_too_long(v)) is not None:
+        problems.append(Problem(where[0], where[1], key, f"the text {why}"))
+        return False
     if isinstance(v, str) or (v is None and not required):
         return True
     problems.append(Problem(where[0], where[1], key, "missing" if key not in rec else
@@ -203,7 +263,7 @@ def _missing(ids: set[str], known: dict[str, int], what: str, split: str,
     if not missing or not path.exists():
         return []
     return [Problem(str(path), None, None, f"{len(missing)} {what} ids of qrels/{split}.tsv "
-                    f"are not in {path.name} (first: {missing[0]!r})")]
+                    f"are not in {path.name} (first: {shown(missing[0])})")]
 
 
 def _raise(problems: list[Problem], where: Path) -> None:
@@ -232,7 +292,7 @@ def load_queries(path: str | Path, wanted: set[str] | None = None) -> dict[str, 
         missing = sorted(wanted - set(lines))
         if missing:
             raise DataError(f"{len(missing)} query ids of the qrels are not in queries.jsonl "
-                            f"(first: {missing[0]!r})", path=str(path))
+                            f"(first: {shown(missing[0])})", path=str(path))
     _raise(problems, path)
     return queries
 
@@ -305,7 +365,7 @@ def read_beir(root: str | Path, split: str = "train",
                 if did not in empty:
                     empty.add(did)
                     found.append(Problem(str(root / "corpus.jsonl"), corpus.lines.get(did),
-                                         "text", f"must be non-empty text: document {did!r} "
+                                         "text", f"must be non-empty text: document {shown(did)} "
                                          f"of a training pair has no title and no text"))
                 continue
             doc = Doc(image=doc.path, id=did) if isinstance(doc, ImageDoc) else \
@@ -338,7 +398,7 @@ def check_corpus_ids(ids: Sequence[str], path: str | Path) -> None:
     _raise(repeats[:1], Path(path))
     seen: set[str] = set()
     dup = next(d for d in ids if d in seen or seen.add(d))  # the file changed meanwhile
-    raise DataError(f"document id {dup!r} appears more than once; every id must be unique",
+    raise DataError(f"document id {shown(dup)} appears more than once; every id must be unique",
                     path=str(path), field="_id")
 
 
@@ -387,7 +447,7 @@ def _check_images(records: list[TrainRecord], root: Path, data_root: str | Path 
             seen.add(r.positive.path)
             why = check_image(r.positive.path)
             if why is not None:
-                problems.append(f"document {r.positive_id!r}: {why}")
+                problems.append(f"document {shown(r.positive_id)}: {why}")
     if problems:
         raise DataError(f"{len(problems)} page image(s) that cannot be used:\n  "
                         + "\n  ".join(problem_lines(problems)), path=str(corpus_path),
@@ -407,6 +467,10 @@ def iter_corpus(path: str | Path, block: int = 4096) -> Iterator[list[tuple[str,
             raise DataError(problem, path=str(path), line=n, field=problem.field)
         if "_id" not in rec or not isinstance(rec.get("text", ""), str):
             raise DataError("a corpus record needs '_id' and 'text'", path=str(path), line=n)
+        for key in ("title", "text"):
+            value = rec.get(key)
+            if isinstance(value, str) and (why := text_too_long(value)) is not None:
+                raise DataError(f"the text {why}", path=str(path), line=n, field=key)
         buf.append((str(rec["_id"]), corpus_doc(rec, path.parent)))
         if len(buf) == block:
             yield buf

@@ -9,7 +9,10 @@ anything on the machine. Reading one must give an answer, never hang or exhaust 
   opened without blocking (``O_NONBLOCK``) and checked on the open descriptor, so a FIFO
   never waits for a writer.
 - A text document file is read whole, so it may hold at most :data:`MAX_TEXT_FILE_BYTES`
-  (8 MiB; texts are cut to the model's ``--max-length`` tokens anyway). A page image may
+  (8 MiB; texts are cut to the model's ``--max-length`` tokens anyway). A text inside a
+  record (a query, a positive, a negative, a BEIR title or text) is held to the same limit
+  (:func:`text_too_long`): a tokenizer reads a whole text before it truncates it, so one
+  50 MB field would take gigabytes and minutes at every batch it is in. A page image may
   hold at most :data:`MAX_IMAGE_BYTES` (256 MiB; Pillow's decompression-bomb limit bounds
   its pixels).
 - Confinement (``--data-root DIR``, :class:`~bigbatch.train.TrainConfig` ``data_root``):
@@ -31,17 +34,21 @@ destination fails before the work, not after.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from ...errors import ConfigError, DataError
+from ...errors import ConfigError, DataError, OutputError, free_space, shown
 
 __all__ = ["default_cache_dir", "MAX_TEXT_FILE_BYTES", "MAX_IMAGE_BYTES", "NotRegularFileError",
            "FileTooLargeError", "open_regular", "open_data_file", "read_limited", "outside_root",
-           "check_writable_folder", "check_writable_file"]
+           "check_writable_folder", "check_writable_file", "text_too_long", "cache_errors",
+           "COMPRESSED"]
 
 MAX_TEXT_FILE_BYTES = 8 * 2**20  # a text document file (chunk_path): read whole
 MAX_IMAGE_BYTES = 256 * 2**20  # a page image file
@@ -96,17 +103,35 @@ def open_regular(path: str | Path, mode: str = "rb", limit: int | None = None,
         raise
 
 
+# the first bytes of a compressed file, and how to decompress it
+COMPRESSED = {b"\x1f\x8b": ("gzip", "gunzip"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd"),
+              b"BZh": ("bzip2", "bunzip2"), b"\xfd7zXZ\x00": ("xz", "unxz")}
+
+
 def open_data_file(path: str | Path, **kwargs: Any) -> IO:
     """A data file (JSONL, TSV, CSV) opened as text for reading (``open`` keyword arguments:
-    encoding, errors, newline), when it is a regular file (:func:`open_regular`).
+    encoding, errors, newline), when it is a regular file (:func:`open_regular`) and not a
+    compressed one (gzip, zstd, bzip2, xz: named, with how to decompress it).
 
     Raises:
         DataError: naming the file, and why it cannot be read.
     """
     try:
-        return open_regular(path, "r", **kwargs)
+        f = open_regular(path, "rb")
     except OSError as e:
         raise DataError(f"cannot read: {e.strerror or e}", path=str(path)) from e
+    try:
+        head = f.read(6)
+        f.seek(0)
+    except OSError as e:
+        f.close()
+        raise DataError(f"cannot read: {e.strerror or e}", path=str(path)) from e
+    for magic, (kind, tool) in COMPRESSED.items():
+        if head.startswith(magic):
+            f.close()
+            raise DataError(f"is {kind}-compressed; bigbatch reads data files uncompressed: "
+                            f"decompress it first ({tool} {path})", path=str(path))
+    return io.TextIOWrapper(f, **kwargs)
 
 
 def read_limited(path: str | Path, limit: int = MAX_TEXT_FILE_BYTES,
@@ -125,6 +150,20 @@ def read_limited(path: str | Path, limit: int = MAX_TEXT_FILE_BYTES,
     return data
 
 
+def text_too_long(text: str, limit: int = MAX_TEXT_FILE_BYTES) -> str | None:
+    """Why a text inside a record is refused (over ``limit`` bytes of UTF-8, as a text
+    document file may hold: :data:`MAX_TEXT_FILE_BYTES`), or None. Cheap for the usual
+    text: only one longer than ``limit / 4`` characters is measured."""
+    if len(text) <= limit // 4:
+        return None
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size <= limit:
+        return None
+    return (f"is {_mib(size)}, over the {_mib(limit)} bigbatch reads of a text (as of a "
+            f"text document file; a model reads only its first --max-length tokens): shorten "
+            f"or split it")
+
+
 def outside_root(path: str | Path, data_root: str | Path | None) -> str | None:
     """Why ``path`` may not be read under confinement to ``data_root`` (it resolves, with
     symbolic links and ``..`` followed, outside that folder), or None (inside it, or no
@@ -137,12 +176,28 @@ def outside_root(path: str | Path, data_root: str | Path | None) -> str | None:
         return None
     root = Path(os.path.realpath(os.path.expanduser(str(data_root))))
     if not root.is_dir():
-        raise ConfigError(f"--data-root: {str(data_root)!r} is not a folder")
+        raise ConfigError(f"--data-root: {shown(str(data_root))} is not a folder")
     real = Path(os.path.realpath(path))
     if real == root or root in real.parents:
         return None
-    return (f"{str(path)!r} resolves to {str(real)!r}, outside the data root {str(root)!r} "
+    return (f"{shown(str(path))} resolves to {shown(str(real))}, outside the data root {shown(str(root))} "
             f"(--data-root); only files inside it may be read")
+
+
+@contextlib.contextmanager
+def cache_errors(folder: str | Path) -> Iterator[None]:
+    """Turn a failed write in the cache (a read-only or full ``$BIGBATCH_CACHE``) into an
+    :class:`~bigbatch.errors.OutputError` naming the folder, the free space and what to do."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except OSError as e:
+        space = free_space(folder)
+        raise OutputError(f"could not write the cache in {folder}: {e.strerror or e}"
+                          + (f" ({space})" if space else "") + "; what it holds can be "
+                          "rebuilt: set BIGBATCH_CACHE to a folder you can write to (or free "
+                          "some space), or pass --no-cache where the command has it") from e
 
 
 def default_cache_dir() -> Path:

@@ -13,10 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from ...errors import shown
 from ..records.types import Problem
-from .files import open_data_file
+from .files import open_data_file, text_too_long
 
-__all__ = ["iter_jsonl", "open_jsonl", "LineProblem", "jsonl_rows", "jsonl_spans", "text_field"]
+__all__ = ["iter_jsonl", "open_jsonl", "LineProblem", "jsonl_rows", "jsonl_spans", "text_field",
+           "parse_json"]
 
 # a JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way one gets into a string,
 # since the file itself is decoded as strict UTF-8
@@ -54,6 +56,17 @@ def _not_unicode(value: Any, name: str = "") -> tuple[str, str] | None:
     return None
 
 
+def parse_json(text: str) -> tuple[Any, str | None]:
+    """(the JSON value of ``text``, None), or (None, what is wrong with it): malformed (with
+    its column), or nested deeper than Python's parser goes (a RecursionError otherwise)."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as e:
+        return None, f"malformed JSON at column {e.colno} ({e.msg})"
+    except RecursionError:
+        return None, "JSON nested too deep to read (thousands of levels); no record nests so"
+
+
 def open_jsonl(path: str | Path) -> IO[str]:
     """A JSONL file opened for reading: a regular file (else a DataError naming it), decoded
     as UTF-8 with undecodable bytes kept as surrogate escapes (for the reader to report)."""
@@ -89,11 +102,9 @@ def _parsed_lines(path: str | Path
                     f"not UTF-8 text (byte 0x{ord(line[e.start]) - 0xDC00:02x} at column "
                     f"{e.start + 1}); re-encode the file as UTF-8"), start, end
                 continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield (n, None, LineProblem(f"malformed JSON at column {e.colno} ({e.msg})"),
-                       start, end)
+            rec, why = parse_json(line)
+            if why is not None:
+                yield n, None, LineProblem(why), start, end
                 continue
             if not isinstance(rec, dict):
                 yield n, None, LineProblem("expected a JSON object"), start, end
@@ -101,9 +112,10 @@ def _parsed_lines(path: str | Path
             if _SURROGATE_ESCAPE.search(line):
                 found = _not_unicode(rec)
                 if found is not None:
-                    yield n, None, LineProblem(
-                        f"holds an unpaired UTF-16 surrogate ({found[1]!r}), which is not valid "
-                        f"Unicode text; fix or remove it", field=found[0] or None), start, end
+                    yield (n, None, LineProblem(
+                        f"holds an unpaired UTF-16 surrogate ({shown(found[1])}), which is not "
+                        f"valid Unicode text; fix or remove it", field=found[0] or None),
+                       start, end)
                     continue
             yield n, rec, None, start, end
 
@@ -150,5 +162,8 @@ def text_field(rec: dict, key: str, where: tuple[str, int], problems: list[Probl
         return None
     if not isinstance(v, str) or not v.strip():
         problems.append(Problem(where[0], where[1], key, "must be non-empty text"))
+        return None
+    if (why := text_too_long(v)) is not None:
+        problems.append(Problem(where[0], where[1], key, f"the text {why}"))
         return None
     return v

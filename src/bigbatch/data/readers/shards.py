@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ...errors import DataError
+from ...errors import DataError, shown
 from .tables import is_hf_dataset
 
 __all__ = ["SHARD_SUFFIXES", "is_shard_folder", "shard_files"]
@@ -65,6 +65,6 @@ def shard_files(path: str | Path, split: str = "train") -> list[Path]:
         names = sorted({m.group("split") for m in splits if m})
         files = [p for p, m in zip(files, splits) if m and m.group("split") == split]
         if not files:
-            raise DataError(f"no shard of split {split!r} (shards of: {', '.join(names)}); "
+            raise DataError(f"no shard of split {shown(split)} (shards of: {', '.join(names)}); "
                             f"pass --split", path=str(folder))
     return files

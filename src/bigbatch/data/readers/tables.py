@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ...errors import DataError
+from ...errors import DataError, shown
 
 __all__ = ["is_hf_dataset", "has_split", "hf_dataset_files", "table_files", "table_schema",
            "table_rows", "count_table_rows"]
@@ -42,7 +42,7 @@ def hf_dataset_files(path: Path, split: str) -> list[Path]:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"cannot read dataset_dict.json: {e}", path=str(path)) from e
         if split not in splits:
-            raise DataError(f"no split {split!r} in this datasets folder (splits: "
+            raise DataError(f"no split {shown(split)} in this datasets folder (splits: "
                             f"{', '.join(map(str, splits))}); pass --split", path=str(path))
         path = path / split
     try:

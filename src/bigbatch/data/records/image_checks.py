@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...errors import shown
 from ..readers.files import MAX_IMAGE_BYTES, open_regular
 from .types import ImageDoc, doc_key
 
@@ -36,7 +37,7 @@ def check_image(path: str | Path) -> str | None:
     a device); the pixels are not decoded."""
     p = Path(path)
     if not p.exists():
-        return f"image file not found: {str(p)!r}"
+        return f"image file not found: {shown(str(p))}"
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:  # pragma: no cover
@@ -46,16 +47,16 @@ def check_image(path: str | Path) -> str | None:
             width, height = im.size
             im.verify()
     except Image.DecompressionBombError as e:
-        return f"image {str(p)!r} is too large to open safely ({e}); shrink it"
+        return f"image {shown(str(p))} is too large to open safely ({e}); shrink it"
     except UnidentifiedImageError:
-        return f"cannot read image {str(p)!r}: not an image format Pillow can identify"
+        return f"cannot read image {shown(str(p))}: not an image format Pillow can identify"
     except OSError as e:
-        return f"cannot read image {str(p)!r}: {e.strerror or e}"
+        return f"cannot read image {shown(str(p))}: {e.strerror or e}"
     except (SyntaxError, ValueError) as e:
-        return f"cannot read image {str(p)!r}: {e}"
+        return f"cannot read image {shown(str(p))}: {e}"
     ratio = max(width, height) / max(1, min(width, height))
     if ratio > MAX_ASPECT_RATIO:
-        return (f"image {str(p)!r} is {width}x{height} pixels, an aspect ratio of {ratio:.0f}:1; "
+        return (f"image {shown(str(p))} is {width}x{height} pixels, an aspect ratio of {ratio:.0f}:1; "
                 f"the Qwen2-VL/2.5-VL/3-VL image processors refuse more than "
                 f"{MAX_ASPECT_RATIO}:1 (transformers' smart_resize), which would stop training "
                 f"at the step that embeds it: crop, pad or split the image")

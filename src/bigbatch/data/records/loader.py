@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...errors import ConfigError, DataError
+from ...errors import ConfigError, DataError, shown
 from ..formats import detect_format, format_of, instruction_problems, read_records
 from ..readers.beir_dir import beir_training_records
-from ..readers.files import MAX_TEXT_FILE_BYTES, outside_root, read_limited
+from ..readers.files import MAX_TEXT_FILE_BYTES, outside_root, read_limited, text_too_long
 from .image_checks import check_image
 from .types import (
     IMAGE_SUFFIXES,
@@ -80,6 +80,9 @@ def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: lis
     this function; records read again after that check (by index, :mod:`.store`)
     skip the image check (``check_image_file=False``: the image is opened when embedded)."""
     field = doc.key or field
+    if doc.text is not None and (why := text_too_long(doc.text)) is not None:
+        problems.append(Problem(str(path), line, field, f"the text {why}"))
+        return None
     if doc.image is None and doc.text is not None:
         return doc.text
     full = document_file(doc, base) or base
@@ -96,12 +99,12 @@ def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: lis
             problems.append(Problem(str(path), line, field, why + _path_hint(ref, full, base)))
             return None
         return ImageDoc(str(full.resolve()), doc.text or "")
-    at = "" if Path(ref).is_absolute() else f" (at {str(full)!r})"
+    at = "" if Path(ref).is_absolute() else f" (at {shown(str(full))})"
     try:
         data = read_limited(full, MAX_TEXT_FILE_BYTES)
     except OSError as e:
         problems.append(Problem(str(path), line, field,
-                                f"cannot read {ref!r}{at}: {e.strerror or e}"))
+                                f"cannot read {shown(ref)}{at}: {e.strerror or e}"))
         return None
     try:
         text = data.decode("utf-8")
@@ -109,11 +112,11 @@ def resolve_doc(doc: Doc, base: Path, path: str | Path, line: int, problems: lis
         hint = ("; it looks like an image: image paths must end in one of "
                 f"{' '.join(sorted(IMAGE_SUFFIXES))}" if data.startswith(_IMAGE_MAGIC)
                 else "; re-encode it as UTF-8")
-        problems.append(Problem(str(path), line, field, f"{ref!r}{at} is not UTF-8 text "
+        problems.append(Problem(str(path), line, field, f"{shown(ref)}{at} is not UTF-8 text "
                                 f"({e.reason} at byte {e.start}){hint}"))
         return None
     if not text.strip():
-        problems.append(Problem(str(path), line, field, f"{ref!r}{at} is empty"))
+        problems.append(Problem(str(path), line, field, f"{shown(ref)}{at} is empty"))
         return None
     return text
 
@@ -126,7 +129,7 @@ def _path_hint(ref: str, full: Path, base: Path) -> str:
         return "; bigbatch reads local image files only: download the images and give paths"
     alt = Path.cwd() / ref
     if not Path(ref).is_absolute() and alt.exists():
-        return (f"; {ref!r} exists relative to the working directory ({str(alt)!r}), where "
+        return (f"; {shown(ref)} exists relative to the working directory ({shown(str(alt))}), where "
                 f"ms-swift looks: bigbatch resolves relative paths against the data file's "
                 f"folder ({str(base)!r}): make them relative to it, or absolute")
     return ""
@@ -144,6 +147,8 @@ def resolve_record(r: Record, problems: list[Problem], data_root: str | Path | N
     for name, why in r.lost:
         problems.append(Problem(r.source, r.line, name, f"{why} cannot be represented; "
                                 f"`bigbatch convert --allow-lossy` drops such records"))
+    if isinstance(r.query, str) and (why := text_too_long(r.query)) is not None:
+        problems.append(Problem(r.source, r.line, r.query_key, f"the query {why}"))
     base = source_folder(r) or Path(".")
     positive = resolve_doc(r.positive, base, r.source, r.line, problems, "positive", data_root,
                            check_image_file)
@@ -326,16 +331,16 @@ def check_instructions(records: Sequence[TrainRecord], encoder: object) -> None:
             have = getattr(encoder, f"{side}_instruction")
             if have != data:
                 raise ConfigError(
-                    f"{where}: the training data's {side} system prompt is {data!r}, but the "
-                    f"encoder's instruction is {have!r}; pass --{side}-instruction {data!r} "
+                    f"{where}: the training data's {side} system prompt is {shown(data)}, but the "
+                    f"encoder's instruction is {shown(have)}; pass --{side}-instruction {shown(data)} "
                     f"(ms-swift applies the data's system prompt), or remove the system "
                     f"messages from the data")
         else:
             have = getattr(encoder, f"{side}_prefix", "")
             if data.strip() not in have:
                 raise ConfigError(
-                    f"{where}: the training data's {side} system prompt is {data!r}, but the "
-                    f"encoder's --{side}-prefix is {have!r}; pass --{side}-prefix "
-                    f"{data + ' '!r} (ms-swift's Qwen3-Embedding template puts the system "
+                    f"{where}: the training data's {side} system prompt is {shown(data)}, but the "
+                    f"encoder's --{side}-prefix is {shown(have)}; pass --{side}-prefix "
+                    f"{shown(data + ' ')} (ms-swift's Qwen3-Embedding template puts the system "
                     f"prompt and a space before the text), or remove the system messages "
                     f"from the data")

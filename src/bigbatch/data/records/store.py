@@ -47,6 +47,7 @@ from ...errors import DataError
 from ..formats import format_of, get_format, no_records_problem, stream_records
 from ..formats.common import Format
 from ..formats.instructions import SystemCounts
+from ..readers.files import cache_errors
 from ..readers.jsonl import jsonl_spans
 from ..readers.shards import is_shard_folder, shard_files
 from ..readers.tables import hf_dataset_files, is_hf_dataset
@@ -138,7 +139,7 @@ class _JsonlPart:
                             "the start of a line)", path=str(self.path), line=line)
         try:
             rec = json.loads(data[1 if pos else 0:].decode("utf-8").lstrip("\ufeff"))
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise DataError(f"the record index does not match the file ({e})",
                             path=str(self.path), line=line) from e
         return rec
@@ -450,7 +451,8 @@ def open_records(source: str | Path, split: str = "train", num_hard_negatives: i
     if _stale(meta, settings, files, split):
         print(f"bigbatch: indexing {source} (once: kept in {folder} until it changes)",
               file=sys.stderr, flush=True)
-        _build(source, split, fmt, kind, files, data_root, folder)
+        with cache_errors(folder.parent):  # a read-only or full $BIGBATCH_CACHE, named
+            _build(source, split, fmt, kind, files, data_root, folder)
         meta = _read_meta(folder)
         if meta is None:  # pragma: no cover - written just above
             raise DataError(f"the record index in {folder} could not be written",

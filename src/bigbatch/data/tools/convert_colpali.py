@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._progress import progress_bar
-from ...errors import DataError
+from ...errors import DataError, shown
 from ..formats import check_output, write_records
 from ..formats.colpali import (
     NEGATIVE_COLUMNS,
@@ -99,7 +99,7 @@ class _ImageWriter:
                 Path.cwd() / ref]
             found = next((c for c in cands if c.is_file()), None)
             if found is None:
-                problems.append(Problem(*where, f"no image bytes, and the image path {ref!r} "
+                problems.append(Problem(*where, f"no image bytes, and the image path {shown(ref)} "
                                         f"is not a file (looked at "
                                         f"{', '.join(repr(str(c)) for c in cands)})"))
                 return None

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._progress import progress_bar
-from ...errors import DataError
+from ...errors import DataError, shown
 from ..readers.jsonl import iter_jsonl
 
 __all__ = ["render_page", "render_beir_pages", "load_font"]
@@ -177,7 +177,7 @@ def render_beir_pages(src: str | Path, out: str | Path, *, splits: tuple[str, ..
     absent = sorted(qids - set(queries))
     if absent:
         raise DataError(f"{len(absent)} query ids of the qrels are not in queries.jsonl "
-                        f"(first: {absent[0]!r})", path=str(src / "queries.jsonl"))
+                        f"(first: {shown(absent[0])})", path=str(src / "queries.jsonl"))
     with open(out / "queries.jsonl", "w") as f:
         for q in queries.values():
             f.write(json.dumps(q) + "\n")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...errors import DataError
+from ...errors import DataError, shown
 from ..formats import write_records
 from ..readers.jsonl import jsonl_rows
 from ..records.types import Doc, Problem, Record, problem_lines
@@ -69,7 +69,7 @@ def make_pairs(corpus: str | Path, output: str | Path, query_field: str = "title
         raise DataError(f"{len(problems)} problem(s) in the corpus:\n  "
                         + "\n  ".join(problem_lines(problems)))
     if not records:
-        raise DataError(f"no document has both {query_field!r} and {doc_field!r} text",
+        raise DataError(f"no document has both {shown(query_field)} and {shown(doc_field)} text",
                         path=str(path))
     report = write_records(records, output, fmt)
     return {"written": report["written"], "skipped": skipped, "output": str(output)}
