@@ -261,7 +261,8 @@ def test_train_pooling_multivector_on_pages(tiny_vl, pages, tmp_path, capsys):
           "--lr", "1e-3", "--max-length", "32", "--max-num-visual-tokens", "12",
           "--num-hard-negatives", "1", "--eval-batch-size", "8", "--seed", "3"])
     meta = json.loads((out / "final" / "bigbatch_encoder.json").read_text())
-    assert meta["pooling"] == "multivector" and meta["dim"] == 16 and meta["lora"]
+    assert meta["pooling"] == "multivector" and meta["dim"] == 16
+    assert not meta["lora"] and meta["adapter"] == "adapter"  # merged; the adapter beside
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
     final = [r for r in rows if r["kind"] == "eval"][-1]
