@@ -4,6 +4,7 @@ with an error naming the file, and the code it carries never runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -120,8 +121,8 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_taken(finished,
     with pytest.raises(ConfigError, match=rf"checkpoint-000004 is damaged: .*{why}.*the newest "
                                           rf"intact checkpoint there is .*checkpoint-000002"):
         train(cfg)
-    cfg.resume = str(run)  # the output folder: the newest intact checkpoint, with a line
-    assert train(cfg)["steps"] == 6
+    cfg = dataclasses.replace(cfg, resume=str(run))  # the output folder: the newest intact
+    assert train(cfg)["steps"] == 6  # checkpoint, with a line
     out = capsys.readouterr().out
     assert "checkpoint-000004 is damaged" in out and "resuming from" in out
     assert "checkpoint-000002, the newest intact checkpoint" in out

@@ -132,7 +132,8 @@ class TrainConfig:
     warmup_steps: int = option(50, section="optimizer", help=(
         "steps of linear warmup from 0 to --lr"))
     max_steps: int = option(500, section="optimizer", help=(
-        "optimizer steps (ignored when --epochs is given)"))
+        "optimizer steps; on the command line it wins over a --config file's epochs "
+        "(--epochs wins over it)"))
     epochs: float | None = option(None, section="optimizer", help=(
         "train this many epochs instead of --max-steps (default: none, --max-steps decides)"))
     temperature: float = option(0.07, section="loss", help=(
@@ -168,7 +169,8 @@ class TrainConfig:
     lora_target_modules: list[str] | None = option(None, section="model", help=(
         "comma-separated module names (default: per architecture)"))
     merge_lora: bool = option(False, section="model", help=(
-        "merge the LoRA adapter into the base weights in final/"))
+        "leave the LoRA adapter out of final/ (final/ always holds the merged weights; "
+        "without this flag the adapter is kept in final/adapter/)"))
     pooling: str = option("mean", section="model", choices=POOLINGS, from_model_folder=True,
                           help=("mean, cls, last (one vector per text), or multivector (one "
                                 "per token, ColBERT / PyLate for text models, ColQwen for "
