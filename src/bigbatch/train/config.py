@@ -110,7 +110,7 @@ class TrainConfig:
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     push_to_hub: str | None = None  # a Hugging Face Hub repository for final/ and its card
     strict: bool = False  # a step that cannot teach (loss and gradient 0, logits overflow) stops
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def validate(self) -> "TrainConfig":
         """Raise :class:`ConfigError` naming the option for any impossible value."""
