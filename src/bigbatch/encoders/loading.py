@@ -8,10 +8,11 @@ Qwen2-VL / Qwen2.5-VL / Qwen3-VL folders (and adapters over them) give a
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ..errors import ConfigError
-from .source import read_json
+from .source import check_positions, read_json
 from .text import TextEncoder
 from .text_multivector import multivector_settings
 
@@ -344,6 +345,10 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
         if key in meta:
             settings[key] = meta[key]
     settings.update(given)
+    if "max_length" in given and (path / "config.json").exists():  # asked for: refused
+        cfg = read_json(path / "config.json")
+        check_positions(given["max_length"], SimpleNamespace(**{
+            k: cfg.get(k) for k in ("max_position_embeddings", "model_type")}), str(path))
     if _is_adapter(path, meta):
         enc = _attach_adapter(TextEncoder(_adapter_base(path, meta), **settings), path)
     else:

@@ -141,7 +141,9 @@ def check_hub_reachable(name: str, option: str = "--model", timeout: float = 3.0
     how = (f"give a local model folder, or download it where there is a network "
            f"(huggingface-cli download {name}) and load it from the cache with "
            f"HF_HUB_OFFLINE=1")
-    if constants.HF_HUB_OFFLINE:
+    offline = constants.HF_HUB_OFFLINE or \
+        os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    if offline:
         raise ConfigError(f"{option}: {name} is no local folder and is not in the Hugging Face "
                           f"cache, and HF_HUB_OFFLINE is set; {how}")
     url = urlparse(constants.ENDPOINT)

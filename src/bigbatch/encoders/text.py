@@ -22,10 +22,10 @@ from ..errors import ConfigError
 from .base import EncoderBase, clip_for_tokenizer, pool
 from .source import (
     check_model_source,
-    check_positions,
     check_tokenizer_fits,
     hub_load_errors,
     load_pretrained,
+    model_positions,
     model_reference,
 )
 
@@ -143,7 +143,11 @@ class TextEncoder(EncoderBase):
         kwargs = {"dtype": dtype} if dtype is not None else {}
         self.model = load_pretrained(self.model_name, self._allowed_missing, **kwargs)
         check_tokenizer_fits(self.tokenizer, self.model, self.model_name)
-        check_positions(self.max_length, self.model.config, str(model))  # eval, mine, train
+        limit = model_positions(getattr(self.model.config, "max_position_embeddings", None),
+                                getattr(self.model.config, "model_type", ""))
+        if limit is not None and self.max_length > limit:  # a longer text would fail inside
+            self.max_length = limit  # (a length asked for explicitly: refused before, see
+            # encoders.loading and train.build)
         self.lora_r = 0
         if lora_r > 0:
             self._apply_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules)
