@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from .source import check_positions, read_json
 from .text import TextEncoder
 from .text_multivector import multivector_settings
@@ -46,6 +46,11 @@ def st_settings(path: str | Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     modules = path / "modules.json"
     if not modules.exists():
+        # no sentence-transformers pipeline; a max length it names still counts (and a damaged
+        # file is named, not passed over)
+        if (path / "sentence_bert_config.json").exists() and \
+                (length := st_max_length(path)) is not None:
+            out["max_length"] = length
         return out
     entries = st_modules(path)
     out["normalize"] = any(kind == "Normalize" for kind, _ in entries)
@@ -171,9 +176,14 @@ def st_max_length(path: str | Path) -> int | None:
     ``max_position_embeddings`` unless ``processor_kwargs`` set it, as sentence-transformers
     3 to 6 do. None when nothing says (or only a tokenizer's "no limit" value does)."""
     path = Path(path)
-    cfg = read_json(path / "sentence_bert_config.json", {})
-    if isinstance(cfg.get("max_seq_length"), int):
-        return int(cfg["max_seq_length"])
+    sbc = path / "sentence_bert_config.json"
+    cfg = read_json(sbc, {})
+    length = cfg.get("max_seq_length")
+    if length is not None:
+        if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
+            raise ConfigError(f"{sbc}: max_seq_length must be a positive integer, got "
+                              f"{shown(length)}")
+        return length
     kwargs = cfg.get("processor_kwargs") or cfg.get("tokenizer_args") or {}
     if isinstance(kwargs.get("model_max_length"), int):
         return int(kwargs["model_max_length"])

@@ -1,4 +1,4 @@
-"""GradCache for JAX (``pip install bigbatch[jax]``): the exact large-batch contrastive step
+"""GradCache for JAX (``pip install -e ".[jax]"`` from a clone): the exact large-batch contrastive step
 of bigbatch for Flax and Optax users, on one device or many.
 
 Public names::
