@@ -470,7 +470,7 @@ def _check_keys(keys: Any, source: str) -> None:
         if key not in _FIELDS:
             close = difflib.get_close_matches(key, list(_FIELDS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{source}: unknown option {key!r}{hint}")
+            raise ConfigError(f"{source}: unknown option {shown(key)}{hint}")
 
 
 def _key_lines(text: str, source: str) -> dict[Any, int]:
@@ -499,7 +499,7 @@ def _key_lines(text: str, source: str) -> dict[Any, int]:
         norm = str(name).replace("-", "_")
         if norm in first:
             was, at = first[norm]
-            raise ConfigError(f"{source}:{line}: {name!r} is given twice (also {was!r} at line "
+            raise ConfigError(f"{source}:{line}: {shown(name)} is given twice (also {shown(was)} at line "
                               f"{at}); YAML would silently take the last: keep one")
         first[norm] = (name, line)
         out[name] = line
