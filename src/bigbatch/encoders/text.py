@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from .base import EncoderBase, clip_for_tokenizer, pool
 from .source import (
     check_model_source,
@@ -121,7 +121,7 @@ class TextEncoder(EncoderBase):
 
         check_model_source(model, hub=True)  # a hub name fails fast without a network
         if pooling not in POOLING_MODES:
-            raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
+            raise ConfigError(f"pooling must be one of {POOLING_MODES}, got {shown(pooling)}")
         if exclude_prompt_from_pooling and pooling != "mean":
             raise ConfigError(f"--exclude-instruction-from-pooling applies to mean pooling; "
                               f"with {pooling!r} pooling the embedding is one token's")

@@ -146,10 +146,10 @@ def _check_qrels_in_corpus(qrels: Mapping[str, Mapping[str, int]], corpus_ids: s
     silently wrong: a relevant document that can never be retrieved)."""
     missing = sorted({d for rel in qrels.values() for d in rel if d not in corpus_ids})
     if missing:
-        from ..errors import DataError
+        from ..errors import DataError, shown
 
         raise DataError(f"{len(missing)} corpus ids of qrels/{split}.tsv are not in corpus.jsonl "
-                        f"(first: {missing[0]!r})", path=str(corpus))
+                        f"(first: {shown(missing[0])})", path=str(corpus))
 
 
 def check_beir_split(root: str | Path, split: str = "test",

@@ -40,7 +40,7 @@ import torch
 from .._progress import progress_bar
 from ..data.readers.beir_dir import corpus_texts, iter_corpus, load_qrels, load_queries
 from ..data.records.types import ImageDoc, doc_key
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from .corpus_cache import embed_corpus
 from .evaluate import check_beir_split
 
@@ -78,7 +78,7 @@ class MiningOptions:
             raise ConfigError(f"--min-negatives must be in [0, --num-negatives], got "
                               f"{self.min_negatives}")
         if self.index not in ("flat", "hnsw"):
-            raise ConfigError(f"--index must be 'flat' or 'hnsw', got {self.index!r}")
+            raise ConfigError(f"--index must be 'flat' or 'hnsw', got {shown(self.index)}")
         return self
 
 

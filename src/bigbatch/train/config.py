@@ -621,7 +621,7 @@ def _check_keys(keys: Any, source: str) -> None:
         if key not in _FIELDS:
             close = difflib.get_close_matches(key, list(_FIELDS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{source}: unknown option {key!r}{hint}")
+            raise ConfigError(f"{source}: unknown option {shown(key)}{hint}")
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:

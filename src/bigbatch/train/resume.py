@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import distributed as D
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from .checkpoint import MANIFEST, checkpoint_problem, list_checkpoints
 from .config import TrainConfig
 from .runid import RUN_FILE
@@ -125,8 +125,8 @@ def check_resume_matches(ckpt: Path, config: TrainConfig, info: D.WorldInfo) -> 
     for key in _DATA_KEYS:
         now = getattr(config, key)
         if saved.get(key, now) != now:
-            raise ConfigError(f"--resume: {ckpt} was written with {key}={saved[key]!r}, this run "
-                              f"has {getattr(config, key)!r}; the saved data position would "
+            raise ConfigError(f"--resume: {ckpt} was written with {key}={shown(saved[key])}, this run "
+                              f"has {shown(getattr(config, key))}; the saved data position would "
                               f"name other records. Resume with the same {key}")
     ranks = len(list(ckpt.glob("rng_state_rank*.pt")))
     if ranks and ranks != info.world_size:

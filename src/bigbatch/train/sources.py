@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, shown
 from .config import TrainConfig
 
 __all__ = ["load_sources", "ChainedRecords", "mix_state", "data_identity"]
@@ -59,7 +59,7 @@ def _load_records(config: TrainConfig, spec: Any, k: int, several: bool) -> Sequ
     except DataError as e:
         if not several:
             raise
-        raise DataError(f"training source {spec.name!r} ({spec.path}): {e}") from e
+        raise DataError(f"training source {shown(spec.name)} ({spec.path}): {e}") from e
     return CappedRecords(records, spec.max_records) if spec.max_records else records
 
 
@@ -82,7 +82,7 @@ def load_sources(config: TrainConfig, rank: int, world_size: int) -> Any:
         k = config.num_hard_negatives if spec.num_hard_negatives is None \
             else spec.num_hard_negatives
         if not spec.in_batch_negatives and k == 0:
-            raise ConfigError(f"--train-data source {spec.name!r}: in_batch_negatives false "
+            raise ConfigError(f"--train-data source {shown(spec.name)}: in_batch_negatives false "
                               f"scores each query against its own documents only, and with "
                               f"no hard negatives that is its positive alone (the loss is 0); "
                               f"give num_hard_negatives >= 1")
@@ -90,7 +90,7 @@ def load_sources(config: TrainConfig, rank: int, world_size: int) -> Any:
         batches = EpochBatches(records, config.batch_size, k, config.seed, rank, world_size,
                                scores=config.distill is not None)
         if len(batches) == 0:
-            name = f"training source {spec.name!r}: " if several else ""
+            name = f"training source {shown(spec.name)}: " if several else ""
             raise ConfigError(f"{name}{len(records)} training records are fewer than one global "
                               f"batch ({batches.global_batch} = --batch-size x processes)")
         sources.append(TrainSource(spec, records, batches))
