@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 
 __all__ = ["parse_typed", "PARSERS", "comma_list", "number_list", "key_lines", "PATH_KEYS",
            "resolve_path"]
@@ -20,7 +20,7 @@ __all__ = ["parse_typed", "PARSERS", "comma_list", "number_list", "key_lines", "
 def _bool(value: Any, what: str) -> bool:
     if isinstance(value, bool):
         return value
-    raise ConfigError(f"{what} must be true or false, got {value!r}")
+    raise ConfigError(f"{what} must be true or false, got {shown(value)}")
 
 
 def _int(value: Any, what: str) -> int:
@@ -31,7 +31,7 @@ def _int(value: Any, what: str) -> int:
             return int(value)  # a flag's text
         except ValueError:
             pass
-    raise ConfigError(f"{what} must be an integer, got {value!r}")
+    raise ConfigError(f"{what} must be an integer, got {shown(value)}")
 
 
 def _float(value: Any, what: str) -> float:
@@ -42,13 +42,13 @@ def _float(value: Any, what: str) -> float:
             return float(value)  # a flag's text; YAML reads 2e-5 as a string
         except ValueError:
             pass
-    raise ConfigError(f"{what} must be a number, got {value!r}")
+    raise ConfigError(f"{what} must be a number, got {shown(value)}")
 
 
 def _str(value: Any, what: str) -> str:
     if isinstance(value, (str, int, float)):
         return str(value)
-    raise ConfigError(f"{what} must be a string, got {value!r}")
+    raise ConfigError(f"{what} must be a string, got {shown(value)}")
 
 
 def comma_list(text: str) -> list[str]:
@@ -61,14 +61,14 @@ def _strings(value: Any, what: str) -> list[str]:
         return comma_list(value)
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return value
-    raise ConfigError(f"{what} must be a list of strings, got {value!r}")
+    raise ConfigError(f"{what} must be a list of strings, got {shown(value)}")
 
 
 def _sources(value: Any, what: str) -> str | list:
     """A path, a comma list, or a list of paths and mappings (checked by parse_sources)."""
     if isinstance(value, (str, list)):
         return value
-    raise ConfigError(f"{what} must be a path or a list of sources, got {value!r}")
+    raise ConfigError(f"{what} must be a path or a list of sources, got {shown(value)}")
 
 
 def number_list(value: Any, kind: type, what: str) -> list:
@@ -80,7 +80,7 @@ def number_list(value: Any, kind: type, what: str) -> list:
     items = comma_list(value) if isinstance(value, str) \
         else value if isinstance(value, list) else None
     if items is None:
-        raise ConfigError(f"{what} must be a list of numbers, e.g. 384,256,128, got {value!r}")
+        raise ConfigError(f"{what} must be a list of numbers, e.g. 384,256,128, got {shown(value)}")
     out = []
     for v in items:
         try:
@@ -88,7 +88,7 @@ def number_list(value: Any, kind: type, what: str) -> list:
                 raise ValueError
             out.append(kind(v))
         except (TypeError, ValueError):
-            raise ConfigError(f"{what}: {v!r} is not {'an integer' if kind is int else 'a number'}"
+            raise ConfigError(f"{what}: {shown(v)} is not {'an integer' if kind is int else 'a number'}"
                               f" (give a comma-separated list, e.g. 384,256,128)") from None
     return out
 
@@ -144,7 +144,7 @@ def key_lines(text: str, source: str) -> dict[Any, int]:
         norm = str(name).replace("-", "_")
         if norm in first:
             was, at = first[norm]
-            raise ConfigError(f"{source}:{line}: {name!r} is given twice (also {was!r} at line "
+            raise ConfigError(f"{source}:{line}: {shown(name)} is given twice (also {shown(was)} at line "
                               f"{at}); YAML would silently take the last: keep one")
         first[norm] = (name, line)
         out[name] = line
