@@ -40,7 +40,8 @@ def _moved(enc):
 def _card(folder, run, model, data, kind="final", **options):
     config = TrainConfig(model=str(model), train_data=str(data), output_dir=str(run),
                          **options)
-    return render_model_card(folder, config, {"step": 2, "num_records": 8}, kind=kind)
+    return render_model_card(folder, config, {"step": 2, "num_records": 8}, kind=kind,
+                             chunk_sizes={"query": 2, "doc": 2})
 
 
 def test_the_base_model_is_named_by_its_hub_id_or_folder_name(tmp_path):

@@ -14,7 +14,8 @@ from bigbatch.train.card import render_model_card
 def _card(folder, run, model, **options):
     config = TrainConfig(model=str(model), train_data=str(run / "pages.jsonl"),
                          output_dir=str(run), **options)
-    return render_model_card(folder, config, {"step": 2, "num_records": 8})
+    return render_model_card(folder, config, {"step": 2, "num_records": 8},
+                             chunk_sizes={"query": 2, "doc": 2})
 
 
 def test_a_vision_language_card(tiny_vl, tmp_path):

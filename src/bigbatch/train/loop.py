@@ -19,6 +19,7 @@ step, writes its checkpoint on every rank together and raises :class:`RunPreempt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -191,8 +192,9 @@ class Trainer:
         self.out = Path(config.output_dir)
         self.ckpt: Path | None = None
         if config.resume == "auto":  # this folder's run, continued if it has a checkpoint
-            config.resume, restart = auto_resume(self.out, announce=info.is_main)
-            config.overwrite = config.overwrite or restart
+            resume, restart = auto_resume(self.out, announce=info.is_main)
+            self.config = config = dataclasses.replace(
+                config, resume=resume, overwrite=config.overwrite or restart)
         if config.resume:
             if info.is_main and self.out.is_dir():
                 recover_output_dir(self.out)  # what a kill inside atomic_dir left, before any read
