@@ -35,15 +35,12 @@ from torch import Tensor, nn
 from ..errors import ConfigError, InputError
 from .base import EncoderBase, check_side, pool
 from .image_inputs import image_text, is_image_doc, load_image
+from .instructions import DOC_INSTRUCTION, QUERY_INSTRUCTION
 from .source import check_model_source, hub_load_errors, load_pretrained, model_reference
 
 __all__ = ["VisionLanguageEncoder", "VL_MODEL_TYPES", "QUERY_INSTRUCTION", "DOC_INSTRUCTION",
            "is_vision_language_model", "pixels_per_visual_token"]
 
-# Qwen3-VL-Embedding's instructions, as its training pipeline (train_contrastors.py,
-# convert_data_for_swift.py) gives them
-QUERY_INSTRUCTION = "Retrieve images or text relevant to the user's query."
-DOC_INSTRUCTION = "Represent the user's input."
 TEMPLATE = ("<|im_start|>system\n{instruction}<|im_end|>\n<|im_start|>user\n{content}"
             "<|im_end|>\n<|im_start|>assistant\n")
 # side in pixels of the square one visual token covers (patch size x spatial merge size)

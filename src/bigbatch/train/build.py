@@ -15,13 +15,14 @@ from ..errors import ConfigError
 from ..losses import CorpusInfoNCE, InfoNCE
 from ..losses.matryoshka import Matryoshka, check_dims
 from ..losses.maxsim import MaxSimInfoNCE
-from .config import TrainConfig, model_positions
+from .config import TrainConfig
+from .model_defaults import model_positions
 
-__all__ = ["DTYPES", "device_for", "build_encoder", "build_loss", "build_optimizer",
+__all__ = ["AUTOCAST_DTYPES", "device_for", "build_encoder", "build_loss", "build_optimizer",
            "build_cache", "build_deepspeed", "embedding_width", "check_matryoshka_width"]
 
 # --dtype: the autocast dtype of the encoder (None: float32, no autocast)
-DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def device_for(config: TrainConfig, info: D.WorldInfo) -> torch.device:
@@ -202,16 +203,17 @@ def build_deepspeed(config: TrainConfig, encoder: torch.nn.Module,
 
 
 def build_cache(config: TrainConfig, encoder: Any, loss_fn: torch.nn.Module, corpus: Any,
-                scaler: Any, device: torch.device, engine: Any = None
-                ) -> tuple[GradCache, int, int]:
-    """The GradCache engine over the encoder's towers, and the (document, query) chunk
-    sizes it uses. Query-side tuning embeds documents with the frozen document tower, or
-    with ``corpus`` takes no document tower at all; its direct backward is one query chunk.
-    With a DeepSpeed ``engine`` both towers call it, and DeepSpeed reduces the model's
-    gradients (:func:`bigbatch.integrations.deepspeed.deepspeed_cache`).
+                scaler: Any, device: torch.device, engine: Any = None) -> GradCache:
+    """The GradCache engine over the encoder's towers. Its chunk sizes (``chunk_sizes``,
+    which the run reads afterwards) are decided here, once: ``--grad-cache-chunk`` for
+    documents and ``--query-grad-cache-chunk`` (default: the same) for queries, each at most
+    ``--batch-size``; query-side tuning's direct backward is one query chunk. Query-side
+    tuning embeds documents with the frozen document tower, or with ``corpus`` takes no
+    document tower at all. With a DeepSpeed ``engine`` both towers call it, and DeepSpeed
+    reduces the model's gradients (:func:`bigbatch.integrations.deepspeed.deepspeed_cache`).
     """
     query_side = config.mode == "query-side-tune"
-    chunk = config.grad_cache_chunk
+    chunk = min(config.grad_cache_chunk, config.batch_size)
     q_chunk = min(config.query_grad_cache_chunk or chunk, config.batch_size)
     if query_side and config.query_side_backward == "direct":
         q_chunk = config.batch_size  # one chunk: its graph is kept, backward runs directly
@@ -233,11 +235,10 @@ def build_cache(config: TrainConfig, encoder: Any, loss_fn: torch.nn.Module, cor
         direct = query_side and config.query_side_backward == "direct"  # one query chunk
         tokens = {name: config.grad_cache_tokens for name in towers
                   if not (direct and name == "query")}
-    options = dict(collate_fn=collate, autocast_dtype=DTYPES[config.dtype], scaler=scaler,
-                   device=device, sort_by_length=True, cross_device=corpus is None,
-                   chunk_tokens=tokens)
+    options = dict(collate_fn=collate, autocast_dtype=AUTOCAST_DTYPES[config.dtype],
+                   scaler=scaler, device=device, sort_by_length=True,
+                   cross_device=corpus is None, chunk_tokens=tokens)
     if engine is not None:
         from ..integrations.deepspeed import deepspeed_cache
-        return deepspeed_cache(engine, loss_fn, chunks, towers=list(towers), **options), \
-            chunk, q_chunk
-    return GradCache(towers, loss_fn, chunk_size=chunks, **options), chunk, q_chunk
+        return deepspeed_cache(engine, loss_fn, chunks, towers=list(towers), **options)
+    return GradCache(towers, loss_fn, chunk_size=chunks, **options)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import platform
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -102,15 +103,47 @@ def _metric_table(rows: list[dict[str, Any]], columns: list[str], mark_step: int
     return "\n".join(lines)
 
 
+def _front_matter(num_records: int, loss_name: str, adapter: bool, base_id: str | None,
+                  metrics: list[str]) -> list[str]:
+    """The card's YAML metadata, as the Hub reads it: tags, base model, pipeline, metrics."""
+    tags = ["sentence-transformers", "sentence-similarity", "feature-extraction",
+            "bigbatch", "gradcache", "generated_from_trainer",
+            f"dataset_size:{num_records}", f"loss:{loss_name}"]
+    if adapter:
+        tags.append("peft")
+    front = ["---", "tags:", *[f"- {t}" for t in tags]]
+    if base_id:
+        front.append(f"base_model: {base_id}")
+    front += ["pipeline_tag: sentence-similarity", "library_name: sentence-transformers"]
+    if metrics:
+        front += ["metrics:", *[f"- {k}" for k in metrics]]
+    return [*front, "---"]
+
+
+def _chunks(chunk_sizes: Mapping[str, int]) -> tuple[str, dict[str, int]]:
+    """The chunk sizes a run's GradCache used, as the card's text says them ("8", or "8 (4
+    for queries)") and as its loss settings list them."""
+    query = chunk_sizes["query"]
+    doc = chunk_sizes.get("doc", query)  # corpus negatives: no document tower
+    if query == doc:
+        return str(doc), {"grad_cache_chunk": doc}
+    return f"{doc} ({query} for queries)", {"grad_cache_chunk": doc,
+                                            "query_grad_cache_chunk": query}
+
+
 def render_model_card(model_dir: str | Path, config: Any, state: dict[str, Any],
-                      metrics_path: str | Path | None = None, *, saved_step: int | None = None,
-                      kind: str = "final", repo_id: str | None = None) -> str:
+                      metrics_path: str | Path | None = None, *, chunk_sizes: Mapping[str, int],
+                      saved_step: int | None = None, kind: str = "final",
+                      repo_id: str | None = None) -> str:
     """The model card of the model saved in ``model_dir``.
 
     Args:
         model_dir: the saved model folder (``final/``, or ``best/model``).
         config: the run's :class:`~bigbatch.train.TrainConfig`.
         state: the run's state (``step``, ``num_records``, ``best``, ``best_step``, ...).
+        chunk_sizes: the rows per chunk of each tower, as the run's GradCache used them
+            (``GradCache.chunk_sizes``: ``query``, and ``doc`` unless the documents were a
+            fixed corpus).
         metrics_path: the run's ``metrics.jsonl`` (its evaluation rows fill the table).
         saved_step: the step of the saved weights (its row is bold); default the run's step.
         kind: ``"final"`` or ``"best"`` (what the folder holds, said in the description).
@@ -143,24 +176,14 @@ def render_model_card(model_dir: str | Path, config: Any, state: dict[str, Any],
                  "CorpusInfoNCE" if config.doc_negatives == "corpus" else "InfoNCE")
     temperature = last_train.get("temperature", config.temperature)
     global_batch = state.get("global_batch") or config.batch_size
+    chunks, chunk_settings = _chunks(chunk_sizes)
     defaults = TrainConfig().to_dict()
     settings = config.to_dict()
     skip = {"model", "train_data", "eval_data", "output_dir", "resume", "data_root", "device"}
     non_default = {k: v for k, v in settings.items() if k not in skip and v != defaults.get(k)}
 
-    tags = ["sentence-transformers", "sentence-similarity", "feature-extraction",
-            "bigbatch", "gradcache", "generated_from_trainer",
-            f"dataset_size:{num_records}", f"loss:{loss_name}"]
-    if adapter:
-        tags.append("peft")
-    front = ["---", "tags:", *[f"- {t}" for t in tags]]
-    if base_id:
-        front.append(f"base_model: {base_id}")
-    front += ["pipeline_tag: sentence-similarity", "library_name: sentence-transformers"]
-    if evals:
-        front += ["metrics:", *[f"- {k}" for k in _metric_columns(evals, config)]]
-    front.append("---")
-
+    front = _front_matter(num_records, loss_name, adapter, base_id,
+                          _metric_columns(evals, config) if evals else [])
     title = f"bigbatch {'best' if kind == 'best' else 'fine-tuned'} model: {Path(config.output_dir).name}"
     base_text = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"`{base}`"
     kind_text = (f"the best checkpoint by `{config.best_metric}` (step {step})" if kind == "best"
@@ -170,8 +193,8 @@ def render_model_card(model_dir: str | Path, config: Any, state: dict[str, Any],
         f"This is a [sentence-transformers](https://www.SBERT.net) model finetuned from "
         f"{base_text} on `{data_name}` with bigbatch's "
         f"exact gradient caching (GradCache): a global batch of {global_batch} queries, each "
-        f"against every document of the batch, computed in chunks of "
-        f"{config.grad_cache_chunk} with the gradient of the whole batch. "
+        f"against every document of the batch, computed in chunks of {chunks} with the "
+        f"gradient of the whole batch. "
         f"{'It maps texts to ' + str(dim) + '-dimensional dense vectors' if dim else 'It embeds texts'}"
         f" and can be used for semantic search and retrieval. This folder holds {kind_text}.",
         "", "## Model Details", "", "### Model Description",
@@ -210,7 +233,7 @@ def render_model_card(model_dir: str | Path, config: Any, state: dict[str, Any],
                                  "final_temperature": round(float(temperature), 6),
                                  "symmetric": config.symmetric,
                                  "cross_device_negatives": True,
-                                 "grad_cache_chunk": config.grad_cache_chunk}, indent=4)
+                                 **chunk_settings}, indent=4)
               .replace("\n", "\n  "),
               "  ```", "", "### Training Hyperparameters", "",
               "#### Non-Default Hyperparameters", "",

@@ -1,5 +1,8 @@
 """Training configuration: defaults, a YAML file, and command-line flags, in that order of
-precedence (flags override the file, the file overrides defaults).
+precedence (flags override the file, the file overrides defaults). Each option is one
+field of :class:`TrainConfig`, with its help, section and choices; values are read by
+:mod:`bigbatch.train.option_values`, what a model folder says by
+:mod:`bigbatch.train.model_defaults`.
 
 Unknown keys, a key given twice and bad values (a number that is not finite, a device this
 machine does not have) raise :class:`bigbatch.errors.ConfigError` naming the key (and the
@@ -14,105 +17,275 @@ import dataclasses
 import difflib
 import math
 import os
+import types
+import typing
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..encoders.instructions import DOC_INSTRUCTION, QUERY_INSTRUCTION
 from ..errors import ConfigError
+from .model_defaults import model_defaults
+from .option_values import PATH_KEYS, comma_list, key_lines, number_list, parse_typed, resolve_path
 
-__all__ = ["TrainConfig", "load_config", "DTYPES", "device_problem", "number_list"]
+__all__ = ["TrainConfig", "load_config", "option", "parse_value", "SECTIONS", "DTYPES",
+           "ENCODERS", "MODES", "POOLINGS", "SCHEDULERS", "QUERY_SIDE_BACKWARDS",
+           "DOC_NEGATIVES", "one_of", "option_type", "device_problem", "number_list",
+           "comma_list"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_LOGIT_SCALE = 100.0  # the learnable temperature is clamped to [1 / this, 1] (LogitScale)
 ENCODERS = ("auto", "text", "vision-language")
 MODES = ("standard", "query-side-tune")
 POOLINGS = ("mean", "cls", "last", "multivector")  # multivector: one vector per token (ColBERT)
+SCHEDULERS = ("cosine", "constant")
+QUERY_SIDE_BACKWARDS = ("direct", "gradcache")
+DOC_NEGATIVES = ("batch", "corpus")
+
+# the groups `bigbatch train --help` lists the options in (flags and YAML keys stay flat)
+SECTIONS = {
+    "model": "the model, how it embeds and what of it trains",
+    "data": "training and evaluation data",
+    "engine": "GradCache: the batch, its chunks, precision and distribution",
+    "loss": "the contrastive objective and its variants",
+    "optimizer": "optimizer and schedule",
+    "run": "the output folder, checkpoints, evaluation, logging and devices",
+}
 
 
-@dataclass
+def option(default: Any = None, *, section: str, help: str, choices: tuple[str, ...] | None = None,
+           factory: Callable[[], Any] | None = None, from_model_folder: bool = False,
+           default_text: str | None = None) -> Any:
+    """A :class:`TrainConfig` field and everything else about it, in its metadata: its
+    ``help`` (the flag's, in ``--help`` and the CLI reference), its ``section`` (one of
+    :data:`SECTIONS`), its ``choices`` (checked by :meth:`TrainConfig.validate`, listed by
+    the flag), and ``from_model_folder``: left out, its value is what the model folder says
+    (``default_text``, or the default, when it says nothing); ``bigbatch eval`` and ``mine``
+    take these options too."""
+    if section not in SECTIONS:
+        raise ValueError(f"unknown section {section!r}")
+    metadata = {"help": help, "section": section, "choices": choices,
+                "from_model_folder": from_model_folder, "default_text": default_text}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# the configs validate() passed (kept outside them: a config holds its options only)
+_VALID: dict[int, weakref.ref] = {}
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Every option of ``bigbatch train``; defaults follow Qwen3-VL-Embedding's GradCache
-    training pipeline (``train_contrastors.py``)."""
+    training pipeline (``train_contrastors.py``). Each field's metadata holds its help, its
+    section and its choices (:func:`option`).
 
-    model: str = ""
+    A config is never changed once made (another is ``dataclasses.replace(config, ...)``):
+    what a run derives from it, such as the chunk sizes GradCache uses, is decided where it is
+    used (:func:`bigbatch.train.build.build_cache`) and read from there."""
+
+    model: str = option("", section="model", help=(
+        "required: transformers model path or name (e.g. the all-MiniLM-L6-v2 folder)"))
     # one source (a path), or several: a comma list, or (YAML) a list of paths and mappings
     # (bigbatch.data.mix.SOURCE_KEYS); likewise --eval-data (path and name)
-    train_data: str | list = ""
-    train_split: str = "train"
-    eval_data: str | list | None = None
-    mix_temperature: float = 1.0
-    eval_split: str = "test"
-    output_dir: str = "runs/bigbatch"
-    batch_size: int = 4
-    grad_cache_chunk: int = 2
-    query_grad_cache_chunk: int | None = None
-    lr: float = 2e-5
-    logit_scale_lr: float | None = None
-    weight_decay: float = 0.01
-    scheduler: str = "cosine"
-    warmup_steps: int = 50
-    max_steps: int = 500
-    epochs: float | None = None
-    temperature: float = 0.07
-    fixed_temperature: bool = False
-    symmetric: bool = False
-    loss_block_size: int | None = None
-    matryoshka_dims: list[int] | None = None
-    matryoshka_weights: list[float] | None = None
-    extra_negatives: list[str] | None = None
-    grad_cache_tokens: int | None = None
-    num_hard_negatives: int = 0
-    lora_r: int = 32
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] | None = None
-    merge_lora: bool = False
-    pooling: str = "mean"
-    multivector_dim: int = 128
-    query_length: int = 0
-    max_length: int = 256
-    query_max_length: int | None = None
-    query_prefix: str = ""
-    doc_prefix: str = ""
-    exclude_instruction_from_pooling: bool = False
-    gradient_checkpointing: bool = False
-    encoder: str = "auto"
-    query_instruction: str | None = None
-    doc_instruction: str | None = None
-    max_num_visual_tokens: int = 256
-    min_num_visual_tokens: int = 4
-    freeze_vision: bool = True
-    mode: str = "standard"
-    query_side_backward: str = "direct"
-    doc_negatives: str = "batch"
-    max_grad_norm: float = 1.0
-    eval_steps: int = 0
-    eval_batch_size: int = 64
-    eval_at_start: bool = True
-    best_metric: str = "ndcg@10"
-    save_steps: int = 100
-    save_total_limit: int = 2
-    resume: str | None = None
-    overwrite: bool = False
-    seed: int = 42
-    dtype: str = "float32"
-    device: str | None = None
-    log_steps: int = 1
-    dist_timeout: float = 1800.0
-    data_root: str | None = None  # files the data names must resolve inside this folder
-    guide_model: str | None = None  # GISTEmbed guide: a model folder, or "self"
-    guide_margin: float = 0.0
-    guide_margin_type: str = "absolute"
-    distill: str | None = None  # "kl" or "margin-mse" against the records' teacher scores
-    distill_weight: float = 1.0
-    teacher_temperature: float | None = None
-    deepspeed: str | None = None  # a DeepSpeed JSON configuration (ZeRO stage 1 or 2)
-    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
-    push_to_hub: str | None = None  # a Hugging Face Hub repository for final/ and its card
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    train_data: str | list = option("", section="data", help=(
+        "required: JSONL records (query, positive|chunk_path, negatives|neg_chunk_paths), a "
+        "swift or st (JSONL or .parquet) file (detected), or a BEIR directory; several "
+        "sources: repeat the flag or give a comma list (every batch is drawn from one source; "
+        "in YAML a list whose entries may set name, weight, query_instruction/doc_instruction "
+        "or prefixes, num_hard_negatives, in_batch_negatives, max_records: see "
+        "docs/guides/multi-dataset.md)"))
+    train_split: str = option("train", section="data", help=(
+        "qrels split used as training pairs when --train-data is a BEIR directory"))
+    eval_data: str | list | None = option(None, section="data", help=(
+        "BEIR directory evaluated with full-corpus retrieval; several: repeat the flag or give "
+        "a comma list (each reported as <name>/<metric>, their mean selects best/; each "
+        "embedded with the prompts of the training source of the same name) (default: none, "
+        "no evaluation)"))
+    mix_temperature: float = option(1.0, section="data", help=(
+        "several --train-data sources without weights: draw each step's source with "
+        "probability proportional to size ** (1 / this); 1: by size, larger: closer to "
+        "uniform (small sources up-sampled)"))
+    eval_split: str = option("test", section="data", help="qrels split to evaluate on")
+    output_dir: str = option("runs/bigbatch", section="run", help=(
+        "where checkpoints, best/, final/, metrics.jsonl and the plot go: a new or empty "
+        "folder (a folder holding another run or other files is refused: see --resume and "
+        "--overwrite)"))
+    batch_size: int = option(4, section="engine", help=(
+        "queries per process per step (global batch = this x processes)"))
+    grad_cache_chunk: int = option(2, section="engine", help=(
+        "rows embedded at once (memory = this x per-example cost)"))
+    query_grad_cache_chunk: int | None = option(None, section="engine", help=(
+        "rows per GradCache chunk for the query tower (default: --grad-cache-chunk); text "
+        "queries are cheaper than page images"))
+    lr: float = option(2e-5, section="optimizer", help="peak learning rate (AdamW)")
+    logit_scale_lr: float | None = option(None, section="optimizer", help=(
+        "learning rate of the temperature (default: --lr)"))
+    weight_decay: float = option(0.01, section="optimizer", help=(
+        "AdamW weight decay of the model's parameters (not the temperature's)"))
+    scheduler: str = option("cosine", section="optimizer", choices=SCHEDULERS, help=(
+        "cosine or constant, after linear warmup"))
+    warmup_steps: int = option(50, section="optimizer", help=(
+        "steps of linear warmup from 0 to --lr"))
+    max_steps: int = option(500, section="optimizer", help=(
+        "optimizer steps (ignored when --epochs is given)"))
+    epochs: float | None = option(None, section="optimizer", help=(
+        "train this many epochs instead of --max-steps (default: none, --max-steps decides)"))
+    temperature: float = option(0.07, section="loss", help=(
+        "initial temperature (learnable unless --fixed-temperature)"))
+    fixed_temperature: bool = option(False, section="loss", help=(
+        "keep the temperature fixed instead of learning it"))
+    symmetric: bool = option(False, section="loss", help=(
+        "add the document-to-query direction to the loss"))
+    loss_block_size: int | None = option(None, section="loss", help=(
+        "query rows per block of the streamed loss (default: automatic, at most 2**22 logits "
+        "a block, so the batch x documents logits never exist at once; 0: the dense loss, all "
+        "logits at once)"))
+    matryoshka_dims: list[int] | None = option(None, section="loss", help=(
+        "Matryoshka: train every one of these embedding widths, largest first (e.g. "
+        "384,256,128,64: each a prefix of the embedding, normalised again; one replay for "
+        "all); final/ records them, and SentenceTransformer(path, truncate_dim=128) uses one "
+        "(default: off)"))
+    matryoshka_weights: list[float] | None = option(None, section="loss", help=(
+        "Matryoshka: one weight per width of --matryoshka-dims (default: all 1)"))
+    extra_negatives: list[str] | None = option(None, section="loss", help=(
+        "qq, dd or qq,dd: add the other queries (qq) and the positive's similarities to the "
+        "other documents (dd) to each query's softmax denominator, as Qwen3-Embedding trains "
+        "(default: none)"))
+    grad_cache_tokens: int | None = option(None, section="engine", help=(
+        "padded tokens per GradCache chunk at most: a chunk holds as many texts as fit "
+        "(longest first), so mixed short and long texts keep one chunk's memory bounded; "
+        "--grad-cache-chunk still caps the rows (default: off, rows only)"))
+    num_hard_negatives: int = option(0, section="data", help=(
+        "hard negatives per query (sampled per epoch when a record has more)"))
+    lora_r: int = option(32, section="model", help="LoRA rank; 0 means full fine-tuning")
+    lora_alpha: int = option(32, section="model", help="LoRA alpha; 0 means full fine-tuning")
+    lora_dropout: float = option(0.0, section="model", help="dropout on the LoRA adapter's input")
+    lora_target_modules: list[str] | None = option(None, section="model", help=(
+        "comma-separated module names (default: per architecture)"))
+    merge_lora: bool = option(False, section="model", help=(
+        "merge the LoRA adapter into the base weights in final/"))
+    pooling: str = option("mean", section="model", choices=POOLINGS, from_model_folder=True,
+                          help=("mean, cls, last (one vector per text), or multivector (one "
+                                "per token, ColBERT / PyLate for text models, ColQwen for "
+                                "Qwen-VL page retrievers: MaxSim loss and retrieval)"))
+    multivector_dim: int = option(128, section="model", help=(
+        "multivector: width of the token vectors (a linear projection)"))
+    query_length: int = option(0, section="model", help=(
+        "multivector: pad queries with mask tokens to this many tokens and cut them there "
+        "(ColBERT's query augmentation; 0: off)"))
+    max_length: int = option(256, section="model", from_model_folder=True, help=(
+        "tokens per text at most (in training cut to the model's positions when it has "
+        "fewer)"))
+    query_max_length: int | None = option(None, section="model", help=(
+        "truncation of queries in training steps (default: --max-length); evaluation and the "
+        "saved model use --max-length for queries too"))
+    query_prefix: str = option("", section="model", from_model_folder=True, help=(
+        "text before each query"))
+    doc_prefix: str = option("", section="model", from_model_folder=True, help=(
+        "text before each document"))
+    exclude_instruction_from_pooling: bool = option(False, section="model", help=(
+        "leave the query/document prefix's tokens out of mean pooling (GritLM, INSTRUCTOR): "
+        "the model attends to the instruction, the embedding averages the text"))
+    gradient_checkpointing: bool = option(False, section="model", help=(
+        "recompute activations in the backward pass (less memory)"))
+    encoder: str = option("auto", section="model", choices=ENCODERS, help=(
+        "auto (vision-language for Qwen2-VL/2.5-VL/3-VL, else text), text, vision-language"))
+    query_instruction: str | None = option(
+        None, section="model", from_model_folder=True,
+        default_text=f"Qwen3-VL-Embedding's, {QUERY_INSTRUCTION!r}",
+        help="vision-language: system instruction of queries")
+    doc_instruction: str | None = option(
+        None, section="model", from_model_folder=True,
+        default_text=f"Qwen3-VL-Embedding's, {DOC_INSTRUCTION!r}",
+        help="vision-language: system instruction of documents")
+    max_num_visual_tokens: int = option(256, section="model", from_model_folder=True, help=(
+        "vision-language: visual tokens per image at most (pixel budget = this x 784 for "
+        "Qwen2/2.5-VL, x 1024 for Qwen3-VL)"))
+    min_num_visual_tokens: int = option(4, section="model", from_model_folder=True, help=(
+        "vision-language: visual tokens per image at least"))
+    freeze_vision: bool = option(True, section="model", help=(
+        "vision-language: keep the vision tower frozen"))
+    mode: str = option("standard", section="model", choices=MODES, help=(
+        "standard (both towers train) or query-side-tune (documents by the frozen base "
+        "weights)"))
+    query_side_backward: str = option("direct", section="engine", choices=QUERY_SIDE_BACKWARDS,
+                                      help=("query-side-tune: direct (one backward over the "
+                                            "batch's queries) or gradcache (chunked, cached)"))
+    doc_negatives: str = option("batch", section="loss", choices=DOC_NEGATIVES, help=(
+        "query-side-tune: batch (the batch's documents) or corpus (every document, embedded "
+        "once)"))
+    max_grad_norm: float = option(1.0, section="optimizer", help=(
+        "clip the gradient norm over model and logit scale (0: off)"))
+    eval_steps: int = option(0, section="run", help=(
+        "evaluate every N steps (0: only at start and end)"))
+    eval_batch_size: int = option(64, section="run", help=(
+        "texts embedded at once in evaluation"))
+    eval_at_start: bool = option(True, section="run", help=(
+        "evaluate the model before training (the base row of the result table)"))
+    best_metric: str = option("ndcg@10", section="run", help=(
+        "metric that selects best/ (e.g. ndcg@10, unseen/ndcg@10)"))
+    save_steps: int = option(100, section="run", help=(
+        "checkpoint every N steps (0: only at the end)"))
+    save_total_limit: int = option(2, section="run", help=(
+        "keep this many newest checkpoints (plus best/)"))
+    resume: str | None = option(None, section="run", help=(
+        "checkpoint directory (or output directory: its latest checkpoint) to resume "
+        "(default: none, a new run)"))
+    overwrite: bool = option(False, section="run", help=(
+        "start a new run in an --output-dir that holds another run or other files: move what "
+        "it holds into <output-dir>/previous-<timestamp>/ first (nothing is deleted)"))
+    seed: int = option(42, section="run", help=(
+        "seed of the data order, initialisation and dropout"))
+    dtype: str = option("float32", section="engine", choices=DTYPES, help=(
+        "autocast dtype for the encoder: float32, bfloat16 or float16"))
+    device: str | None = option(None, section="run", help=(
+        "cpu, cuda, cuda:1 ... (default: cuda:LOCAL_RANK when available, else cpu)"))
+    log_steps: int = option(1, section="run", help=(
+        "write metrics.jsonl / TensorBoard every N steps"))
+    dist_timeout: float = option(1800.0, section="engine", help=(
+        "seconds before a stuck collective fails (torchrun)"))
+    data_root: str | None = option(None, section="data", help=(
+        "refuse files named by the data (chunk_path, image paths) that resolve outside this "
+        "folder (default: any file you can read)"))
+    guide_model: str | None = option(None, section="loss", help=(
+        "guided false-negative filtering (GISTEmbed): a frozen guide model folder, or 'self' "
+        "for the model's own starting weights; it embeds each batch once and a negative it "
+        "scores above the positive is left out of the loss (default: none)"))
+    guide_margin: float = option(0.0, section="loss", help=(
+        "with --guide-model: mask a negative whose guide similarity exceeds the positive's "
+        "minus this (absolute) or times 1 - this (relative); larger masks more"))
+    # choices: bigbatch.losses.guided.MARGIN_TYPES (checked by validate)
+    guide_margin_type: str = option("absolute", section="loss", help=(
+        "with --guide-model: absolute or relative"))
+    # choices: bigbatch.losses.distill.OBJECTIVES (checked by validate)
+    distill: str | None = option(None, section="loss", help=(
+        "add a distillation term against the records' teacher scores (pos_score, neg_scores): "
+        "kl (student vs teacher softmax over the positive and its hard negatives) or "
+        "margin-mse (default: none)"))
+    distill_weight: float = option(1.0, section="loss", help=(
+        "with --distill: loss = InfoNCE + this x distillation"))
+    teacher_temperature: float | None = option(None, section="loss", help=(
+        "with --distill kl: temperature of the teacher softmax (default: --temperature, right "
+        "for a bi-encoder's cosine scores; use 1 for cross-encoder logits)"))
+    deepspeed: str | None = option(None, section="engine", help=(
+        "a DeepSpeed JSON configuration: train under ZeRO stage 1 or 2, the chunks' gradients "
+        "reduced once per step (no optimizer, scheduler, fp16 or bf16 section: bigbatch sets "
+        "them; see docs/guides/deepspeed-and-reporting.md) (default: none, plain torch)"))
+    report_to: list[str] = option(section="run", factory=lambda: ["tensorboard"], help=(
+        "where metrics go besides metrics.jsonl: comma-separated tensorboard, wandb (offline "
+        "with WANDB_MODE=offline), or none (default: tensorboard, when the tensorboard "
+        "package is installed)"))
+    push_to_hub: str | None = option(None, section="run", help=(
+        "upload final/ (with its model card README.md) to this Hugging Face Hub repository "
+        "(namespace/name) at the end of the run (default: none)"))
 
     def validate(self) -> "TrainConfig":
-        """Raise :class:`ConfigError` naming the option for any impossible value."""
+        """Raise :class:`ConfigError` naming the option for any impossible value; returns the
+        config, marked valid (:meth:`checked`)."""
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"--{name.replace('_', '-')}: {why} (got {getattr(self, name)!r})")
 
@@ -165,23 +338,13 @@ class TrainConfig:
             raise bad("device", problem)
         if self.max_grad_norm < 0:
             raise bad("max_grad_norm", "must be >= 0 (0 turns clipping off)")
-        if self.scheduler not in ("cosine", "constant"):
-            raise bad("scheduler", "must be 'cosine' or 'constant'")
-        if self.dtype not in DTYPES:
-            raise bad("dtype", f"must be one of {DTYPES}")
-        if self.pooling not in POOLINGS:
-            raise bad("pooling", "must be 'mean', 'cls', 'last' or 'multivector'")
+        for f in dataclasses.fields(self):  # each option with choices (option(choices=...))
+            choices = f.metadata["choices"]
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise bad(f.name, one_of(choices))
         self._validate_multivector(bad)
         self._validate_objectives(bad)
         self._validate_guide_and_distill(bad)
-        if self.encoder not in ENCODERS:
-            raise bad("encoder", f"must be one of {ENCODERS}")
-        if self.mode not in MODES:
-            raise bad("mode", f"must be one of {MODES}")
-        if self.query_side_backward not in ("direct", "gradcache"):
-            raise bad("query_side_backward", "must be 'direct' or 'gradcache'")
-        if self.doc_negatives not in ("batch", "corpus"):
-            raise bad("doc_negatives", "must be 'batch' or 'corpus'")
         if self.doc_negatives == "corpus" and self.mode != "query-side-tune":
             raise bad("doc_negatives", "'corpus' needs --mode query-side-tune (a frozen "
                                        "document tower, so the corpus is embedded once)")
@@ -207,7 +370,16 @@ class TrainConfig:
         self._validate_reporting(bad)
         if self.deepspeed:
             self._validate_deepspeed(bad)
+        key = id(self)  # remembered by identity: the config never changes
+        _VALID[key] = weakref.ref(self, lambda _: _VALID.pop(key, None))
         return self
+
+    def checked(self) -> "TrainConfig":
+        """The config, validated unless it already was: :func:`load_config` validates, and
+        :func:`~bigbatch.train.train` then takes it as it is (validation, which reads the
+        model folder, the data sources and the DeepSpeed file, runs once per run)."""
+        valid = _VALID.get(id(self))
+        return self if valid is not None and valid() is self else self.validate()
 
     def _validate_guide_and_distill(self, bad: Any) -> None:
         """The options of guided filtering (``--guide-model``) and distillation
@@ -358,7 +530,6 @@ class TrainConfig:
         """The options (``overwrite``, an action of one start, is not a setting kept with a
         run: a ``config.yaml`` reused as ``--config`` never moves a folder aside by itself)."""
         d = dataclasses.asdict(self)
-        d.pop("extra")
         d.pop("overwrite")
         return d
 
@@ -368,7 +539,7 @@ class TrainConfig:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "extra"}
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
 def device_problem(name: str) -> str | None:
@@ -393,71 +564,45 @@ def device_problem(name: str) -> str | None:
     return None
 
 
-def _coerce(name: str, value: Any, source: str) -> Any:
-    """Check a YAML value against the field's type; ints are accepted for floats."""
-    f = _FIELDS[name]
-    default = f.default if f.default is not dataclasses.MISSING else None
-    kind = type(default) if default is not None else None
-    typ = str(f.type)
-    if value is None:
-        if "None" in typ:
-            return None
-        raise ConfigError(f"{source}: {name} must not be empty")
-    if "list[int]" in typ or "list[float]" in typ:
-        return number_list(value, int if "list[int]" in typ else float, f"{source}: {name}")
-    if name in _SOURCE_OPTIONS:  # a path, a comma list, or a list of paths and mappings
-        if isinstance(value, (str, list)):
-            return value
-        raise ConfigError(f"{source}: {name} must be a path or a list of sources, got "
-                          f"{value!r}")
-    if "list" in typ:
-        if isinstance(value, str):
-            return [v.strip() for v in value.split(",") if v.strip()]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return value
-        raise ConfigError(f"{source}: {name} must be a list of strings, got {value!r}")
-    if kind is bool or typ == "bool":
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{source}: {name} must be true or false, got {value!r}")
-    if kind is int or typ.startswith("int"):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{source}: {name} must be an integer, got {value!r}")
-    if kind is float or typ.startswith("float"):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML reads 2e-5 as a string
-            except ValueError:
-                pass
-        raise ConfigError(f"{source}: {name} must be a number, got {value!r}")
-    if isinstance(value, (str, int, float)):
-        return str(value)
-    raise ConfigError(f"{source}: {name} must be a string, got {value!r}")
+def one_of(choices: tuple[str, ...]) -> str:
+    """What :meth:`TrainConfig.validate` says of a value outside ``choices``."""
+    if len(choices) == 2:
+        return f"must be {choices[0]!r} or {choices[1]!r}"
+    return f"must be one of {choices}"
 
 
-def number_list(value: Any, kind: type, what: str) -> list:
-    """A list of ``kind`` (int or float) from a list or a comma-separated string ("384,128").
+def _field_types() -> dict[str, tuple[tuple[Any, ...], bool]]:
+    """Each option's type without None, and whether None (YAML's empty value) is allowed."""
+    out = {}
+    for name, hint in typing.get_type_hints(TrainConfig).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        out[name] = tuple(a for a in args if a is not type(None)), type(None) in args
+    return out
+
+
+_TYPES = _field_types()
+
+
+def option_type(name: str) -> tuple[Any, ...]:
+    """The option's type without None: ``(int,)``, ``(list[str],)``, ``(str, list)``, ..."""
+    return _TYPES[name][0]
+
+
+def parse_value(name: str, value: Any, what: str) -> Any:
+    """The value of the option ``name`` as its field's type has it, from a YAML value or a
+    flag's text: numbers from text (ints accepted for floats), lists from comma-separated
+    text, booleans only as such. The one reader of both, so a flag and a YAML key give the
+    same value and the same error.
+
+    Args:
+        name: the field (``batch_size``).
+        value: the YAML value, or the flag's text.
+        what: how errors name it (``c.yaml:3: batch_size``, ``--batch-size``).
 
     Raises:
-        ConfigError: an entry that is not such a number, naming ``what``.
+        ConfigError: ``<what> must be an integer, got 'x'`` (and so on for each type).
     """
-    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) \
-        else value if isinstance(value, list) else None
-    if items is None:
-        raise ConfigError(f"{what} must be a list of numbers, e.g. 384,256,128, got {value!r}")
-    out = []
-    for v in items:
-        try:
-            if isinstance(v, bool) or (kind is int and isinstance(v, float)):
-                raise ValueError
-            out.append(kind(v))
-        except (TypeError, ValueError):
-            raise ConfigError(f"{what}: {v!r} is not {'an integer' if kind is int else 'a number'}"
-                              f" (give a comma-separated list, e.g. 384,256,128)") from None
-    return out
+    return parse_typed(*_TYPES[name], value, what)
 
 
 def _check_keys(keys: Any, source: str) -> None:
@@ -466,81 +611,6 @@ def _check_keys(keys: Any, source: str) -> None:
             close = difflib.get_close_matches(key, list(_FIELDS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{source}: unknown option {key!r}{hint}")
-
-
-def _key_lines(text: str, source: str) -> dict[Any, int]:
-    """The line (1-based) of each top-level key of a YAML mapping, for error messages.
-
-    Raises:
-        ConfigError: a key given twice (also spelled once with ``-`` and once with ``_``),
-            which YAML would settle silently by taking the last.
-    """
-    import yaml
-
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:  # pragma: no cover - safe_load already parsed it
-        return {}
-    if not isinstance(node, yaml.MappingNode):
-        return {}
-    out: dict[Any, int] = {}
-    first: dict[str, tuple[Any, int]] = {}
-    for key, _ in node.value:
-        try:
-            name = yaml.safe_load(yaml.serialize(key))
-        except yaml.YAMLError:  # pragma: no cover
-            continue
-        line = key.start_mark.line + 1
-        norm = str(name).replace("-", "_")
-        if norm in first:
-            was, at = first[norm]
-            raise ConfigError(f"{source}:{line}: {name!r} is given twice (also {was!r} at line "
-                              f"{at}); YAML would silently take the last: keep one")
-        first[norm] = (name, line)
-        out[name] = line
-    return out
-
-
-_PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume", "data_root",
-              "guide_model", "deepspeed")
-_SOURCE_OPTIONS = ("train_data", "eval_data")
-
-
-def _resolve_path(key: str, value: Any, base: Path) -> Any:
-    """A path option made absolute: ``~`` is the home folder, a relative path is read from
-    ``base`` (the YAML file's folder, or the working directory for a flag). A ``model`` that
-    is no folder there stays as given: a hub name (``namespace/name``)."""
-    if key in _SOURCE_OPTIONS:
-        return _resolve_sources(value, base)
-    if not isinstance(value, str) or not value:
-        return value
-    path = Path(value).expanduser()
-    if not path.is_absolute():
-        if key in ("model", "guide_model") and not (base / path).exists():
-            return value  # a hub name, a missing folder check_model_source names, "self"
-        path = base.absolute() / path
-    return os.path.normpath(path)
-
-
-def _resolve_sources(value: Any, base: Path) -> Any:
-    """``--train-data`` / ``--eval-data`` with every path made absolute: one path stays a
-    string; a comma list or a list becomes a list (a one-path list a string), each mapping's
-    ``path`` resolved."""
-    if isinstance(value, str):
-        value = [v.strip() for v in value.split(",") if v.strip()] if "," in value else value
-    if isinstance(value, str):
-        return _resolve_path("data", value, base) if value else value
-    if not isinstance(value, list):
-        return value
-    out = []
-    for entry in value:
-        if isinstance(entry, str):
-            out.append(_resolve_path("data", entry, base))
-        elif isinstance(entry, dict) and isinstance(entry.get("path"), str):
-            out.append({**entry, "path": _resolve_path("data", entry["path"], base)})
-        else:
-            out.append(entry)  # parse_sources names what is wrong with it
-    return out[0] if len(out) == 1 and isinstance(out[0], str) else out
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
@@ -559,101 +629,22 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"{p}: not valid YAML: {e}") from e
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a mapping of option: value")
-        lines = _key_lines(p.read_text(), str(p))
+        lines = key_lines(p.read_text(), str(p))
         loaded = {str(k).replace("-", "_"): (v, f"{p}:{lines[k]}" if k in lines else str(p))
                   for k, v in loaded.items()}
         for k, (v, where) in loaded.items():
             _check_keys([k], where)
-        values.update({k: _coerce(k, v, where) for k, (v, where) in loaded.items()})
-        values.update({k: _resolve_path(k, values[k], p.parent) for k in _PATH_KEYS
+        values.update({k: parse_value(k, v, f"{where}: {k}") for k, (v, where) in loaded.items()})
+        values.update({k: resolve_path(k, values[k], p.parent) for k in PATH_KEYS
                        if k in values})  # read from the YAML file's folder
     values.setdefault("output_dir", TrainConfig.output_dir)
     for k, v in (overrides or {}).items():
         k = k.replace("-", "_")
         _check_keys([k], "command line")
-        values[k] = _resolve_path(k, v, Path.cwd()) if k in _PATH_KEYS else v
+        values[k] = resolve_path(k, v, Path.cwd()) if k in PATH_KEYS else v
     if values["output_dir"] == TrainConfig.output_dir:  # the default: the working directory's
-        values["output_dir"] = _resolve_path("output_dir", values["output_dir"], Path.cwd())
-    values = _model_defaults(values)
+        values["output_dir"] = resolve_path("output_dir", values["output_dir"], Path.cwd())
+    values = model_defaults(values, TrainConfig.max_length)
     return TrainConfig(**values).validate()
 
 
-# what a sentence-transformers model folder says about how it embeds
-_ST_KEYS = ("pooling", "max_length", "query_prefix", "doc_prefix")
-# what a vision-language folder bigbatch saved says about how it embeds
-_VL_KEYS = ("query_instruction", "doc_instruction", "max_num_visual_tokens",
-            "min_num_visual_tokens", "max_length")
-
-
-def _model_defaults(values: dict[str, Any]) -> dict[str, Any]:
-    """Options the user did not set, taken from a text model folder's sentence-transformers
-    configuration (pooling, max length, query/document prompts), or from the
-    ``bigbatch_encoder.json`` of a vision-language folder bigbatch saved (instructions, pixel
-    budget, max length), so a model trains as it embeds, and as ``bigbatch mine`` / ``eval``
-    embed with it."""
-    model = values.get("model")
-    if not model or not Path(model).is_dir():
-        return values
-    from ..encoders.loading import st_settings
-    from ..encoders.vision import is_vision_language_model
-
-    if values.get("encoder") == "vision-language" or is_vision_language_model(model):
-        meta = Path(model) / "bigbatch_encoder.json"
-        if not meta.exists() or all(k in values for k in _VL_KEYS):
-            return values
-        import json
-        try:
-            found = json.loads(meta.read_text())
-        except ValueError as e:
-            raise ConfigError(f"{meta}: not valid JSON: {e}") from e
-        return {**{k: found[k] for k in _VL_KEYS if found.get(k) is not None}, **values}
-    multi = _multivector_defaults(Path(model))
-    if multi is not None:  # (another --pooling: the transformer alone, pooled as asked)
-        return {**multi, **values} if values.get("pooling", "multivector") == "multivector" \
-            else values
-    if all(k in values for k in _ST_KEYS):
-        return values
-    try:
-        found = st_settings(model)
-    except ConfigError as e:
-        raise ConfigError(f"{e}. To fine-tune the transformer alone, give --pooling, "
-                          f"--max-length, --query-prefix and --doc-prefix explicitly") from e
-    out = {**{k: found[k] for k in _ST_KEYS if k in found}, **values}
-    if "max_length" not in out:  # the default, cut to the model's positions when it has fewer
-        positions = _model_positions(Path(model))
-        if positions is not None and positions < TrainConfig.max_length:
-            out["max_length"] = positions
-    return out
-
-
-def _multivector_defaults(model: Path) -> dict[str, Any] | None:
-    """The options a multi-vector (PyLate-layout) folder gives, or None for another folder."""
-    from ..encoders.text_multivector import multivector_settings
-
-    found = multivector_settings(model)
-    if found is None:
-        return None
-    return {"pooling": "multivector", "multivector_dim": found["dim"],
-            "max_length": found["max_length"], "query_prefix": found["query_prefix"],
-            "doc_prefix": found["doc_prefix"],
-            "query_length": found["query_length"] if found["query_expansion"] else 0}
-
-
-def model_positions(max_position_embeddings: Any, model_type: Any) -> int | None:
-    """How many token positions a text model's configuration gives (RoBERTa-family models
-    lose two to the padding offset: their positions start after the padding index), or None
-    when it does not say."""
-    if not isinstance(max_position_embeddings, int):
-        return None
-    return max_position_embeddings - (2 if "roberta" in str(model_type or "") else 0)
-
-
-def _model_positions(model: Path) -> int | None:
-    """:func:`model_positions` of a model folder's ``config.json`` (None without one)."""
-    import json
-
-    try:
-        cfg = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return model_positions(cfg.get("max_position_embeddings"), cfg.get("model_type"))

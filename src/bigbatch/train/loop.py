@@ -27,7 +27,7 @@ from .._progress import progress_bar
 from ..engine import distributed as D
 from ..errors import ConfigError
 from .build import (
-    DTYPES,
+    AUTOCAST_DTYPES,
     build_cache,
     build_deepspeed,
     build_encoder,
@@ -149,8 +149,7 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         from ..retrieval.evaluate import LOWER_IS_BETTER, check_beir_split
 
-        config.validate()
-        self.config = config
+        self.config = config = config.checked()
         self.info = info = D.init_distributed(timeout_s=config.dist_timeout)
         self.device = device = device_for(config, info)
         self.out = Path(config.output_dir)
@@ -181,8 +180,6 @@ class Trainer:
         self.eval_sets = config.eval_sets()
         for eval_set in self.eval_sets:  # a bad evaluation set stops the run now, not after
             check_beir_split(eval_set.path, config.eval_split, config.best_metric)
-        if config.grad_cache_chunk > config.batch_size:
-            config.grad_cache_chunk = config.batch_size
         self.lower_is_better = config.best_metric.removeprefix("unseen/") in LOWER_IS_BETTER
 
         random.seed(config.seed)
@@ -210,13 +207,12 @@ class Trainer:
             self.max_steps = math.ceil(config.epochs * len(self.batches))
         self.scheduler = make_scheduler(self.optimizer, config.scheduler, config.warmup_steps,
                                         self.max_steps)
-        amp = DTYPES[config.dtype]
+        amp = AUTOCAST_DTYPES[config.dtype]
         self.scaler = torch.amp.GradScaler(device.type) if amp is torch.float16 else None
         self.engine = build_deepspeed(config, self.encoder, self.model_params, self.max_steps,
                                       info.world_size) if config.deepspeed else None
-        self.cache, self.chunk, self.q_chunk = build_cache(config, self.encoder, self.loss_fn,
-                                                           self.corpus, self.scaler, device,
-                                                           self.engine)
+        self.cache = build_cache(config, self.encoder, self.loss_fn, self.corpus, self.scaler,
+                                 device, self.engine)
         train_data, num_records = data_identity(self.batches)
         self.state: dict[str, Any] = {
             "step": 0, "epoch": 0, "index": 0, "best": None, "best_step": None, "examples": 0,
@@ -342,7 +338,9 @@ class Trainer:
     def _announcement(self) -> str:
         config, lora_r = self.config, self.lora_r
         n_train = sum(p.numel() for p in self.model_params)
-        chunk, q_chunk = self.chunk, self.q_chunk
+        sizes = self.cache.chunk_sizes  # as the engine uses them
+        q_chunk = sizes["query"]
+        chunk = sizes.get("doc", q_chunk)  # (corpus negatives: no document tower)
         mix = "" if len(self.sources) == 1 else " (" + ", ".join(
             f"{s.name}: {len(s.records)} x {w:.0%}" for s, w in zip(self.sources,
                                                                     self.batches.weights)) + ")"
@@ -420,6 +418,7 @@ class Trainer:
         state = {**self.state, "global_batch": self.batches.global_batch}
         text = render_model_card(model_dir or folder, self.config, state,
                                  self.out / "metrics.jsonl", kind=kind,
+                                 chunk_sizes=self.cache.chunk_sizes,
                                  repo_id=self.config.push_to_hub if kind == "final" else None)
         write_text_atomic(folder / "README.md", text)
         return folder / "README.md"

@@ -7,24 +7,24 @@ other files, is refused with the choices: continue that run (``--resume DIR``), 
 ``previous-<timestamp>/`` inside it (nothing is deleted) before the new run starts. A resume
 continues in the folder of the run it resumes (or in a new or empty one).
 
-Also the write-tests of the files and folders that ``train``, ``eval``, ``mine`` and
-``render-pages`` write, so that an unwritable destination fails before the work, not after.
+The folder is write-tested first (:func:`bigbatch.data.readers.files.check_writable_folder`),
+so that an unwritable destination fails before the work, not after.
 """
 
 from __future__ import annotations
 
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..data.readers.files import check_writable_folder
 from ..errors import ConfigError
 from .durable import fsync_dir, move_into_new_folder
 from .runid import RUN_FILE, run_id_of, write_run_file
 
 __all__ = ["ARCHIVE_PREFIX", "OutputPlan", "check_output_dir", "claim_output_dir",
-           "remove_created", "check_writable_folder", "check_writable_file"]
+           "remove_created"]
 
 # --overwrite moves a folder's contents into <folder>/previous-<timestamp>/; such archives
 # stay where they are (a later --overwrite does not nest them) and do not make a folder
@@ -43,59 +43,6 @@ class OutputPlan:
     create: bool = False                    # the folder does not exist yet
     move_aside: list[Path] = field(default_factory=list)   # --overwrite: moved into an archive
     created_root: Path | None = None        # the highest folder the claim creates
-
-
-def _nearest_existing(path: Path) -> Path:
-    p = path.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
-def check_writable_folder(path: str | Path, option: str) -> None:
-    """Refuse a folder that cannot be created or written in (a file on its way, no
-    permission, a read-only file system), by writing a probe file (removed at once) in it or
-    in the nearest folder above it that exists.
-
-    Raises:
-        ConfigError: naming ``option``, the path and why.
-    """
-    p = Path(path)
-    base = _nearest_existing(p)
-    if not base.is_dir():
-        raise ConfigError(f"{option}: {p} cannot be a folder: {base} is a file")
-    try:
-        with tempfile.TemporaryFile(dir=base):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{option}: cannot write in {base} ({e.strerror or e}); give a "
-                          f"folder you can write to") from e
-
-
-def check_writable_file(path: str | Path, option: str, create_folders: bool = True) -> None:
-    """Refuse a file that could not be written: a folder of that name, a missing folder
-    (unless ``create_folders``), no permission. Nothing is written: an existing file is
-    opened for appending and closed, a new one is probed by a temporary file beside it.
-
-    Raises:
-        ConfigError: naming ``option``, the path and why (checked before the work, so that
-            none is lost).
-    """
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"{option}: {p} is a folder; give a file name")
-    if p.exists():
-        try:
-            with open(p, "a"):
-                pass
-        except OSError as e:
-            raise ConfigError(f"{option}: cannot write {p} ({e.strerror or e}); checked "
-                              f"before the work, so none is lost") from e
-        return
-    if not create_folders and not p.absolute().parent.is_dir():
-        raise ConfigError(f"{option}: the folder {p.absolute().parent} does not exist "
-                          f"(checked before the work, so none is lost)")
-    check_writable_folder(p.absolute().parent, option)
 
 
 def _entries(out: Path) -> list[Path]:

@@ -22,19 +22,26 @@ A refused file raises :class:`OSError` (:class:`NotRegularFileError`, :class:`Fi
 whose ``strerror`` says why, so every caller's ``except OSError`` reports it with the file,
 line and field; a data file itself (:func:`open_data_file`) raises
 :class:`~bigbatch.errors.DataError` naming it.
+
+The files and folders commands write (``train``'s output folder, ``eval`` / ``mine`` /
+``make-pairs`` outputs, ``render-pages``' folder) are write-tested before the work starts
+(:func:`check_writable_file`, :func:`check_writable_folder`), so that an unwritable
+destination fails before the work, not after.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import IO, Any
 
 from ...errors import ConfigError, DataError
 
 __all__ = ["default_cache_dir", "MAX_TEXT_FILE_BYTES", "MAX_IMAGE_BYTES", "NotRegularFileError",
-           "FileTooLargeError", "open_regular", "open_data_file", "read_limited", "outside_root"]
+           "FileTooLargeError", "open_regular", "open_data_file", "read_limited", "outside_root",
+           "check_writable_folder", "check_writable_file"]
 
 MAX_TEXT_FILE_BYTES = 8 * 2**20  # a text document file (chunk_path): read whole
 MAX_IMAGE_BYTES = 256 * 2**20  # a page image file
@@ -142,3 +149,56 @@ def default_cache_dir() -> Path:
     """Where bigbatch keeps what it can rebuild (corpus embeddings, record indexes):
     ``$BIGBATCH_CACHE``, else ``~/.cache/bigbatch``."""
     return Path(os.environ.get("BIGBATCH_CACHE", Path.home() / ".cache" / "bigbatch"))
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_writable_folder(path: str | Path, option: str) -> None:
+    """Refuse a folder that cannot be created or written in (a file on its way, no
+    permission, a read-only file system), by writing a probe file (removed at once) in it or
+    in the nearest folder above it that exists.
+
+    Raises:
+        ConfigError: naming ``option``, the path and why.
+    """
+    p = Path(path)
+    base = _nearest_existing(p)
+    if not base.is_dir():
+        raise ConfigError(f"{option}: {p} cannot be a folder: {base} is a file")
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{option}: cannot write in {base} ({e.strerror or e}); give a "
+                          f"folder you can write to") from e
+
+
+def check_writable_file(path: str | Path, option: str, create_folders: bool = True) -> None:
+    """Refuse a file that could not be written: a folder of that name, a missing folder
+    (unless ``create_folders``), no permission. Nothing is written: an existing file is
+    opened for appending and closed, a new one is probed by a temporary file beside it.
+
+    Raises:
+        ConfigError: naming ``option``, the path and why (checked before the work, so that
+            none is lost).
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{option}: {p} is a folder; give a file name")
+    if p.exists():
+        try:
+            with open(p, "a"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"{option}: cannot write {p} ({e.strerror or e}); checked "
+                              f"before the work, so none is lost") from e
+        return
+    if not create_folders and not p.absolute().parent.is_dir():
+        raise ConfigError(f"{option}: the folder {p.absolute().parent} does not exist "
+                          f"(checked before the work, so none is lost)")
+    check_writable_folder(p.absolute().parent, option)
