@@ -57,9 +57,11 @@ def _plan(tower, loss_fn, inputs, budget, **kw):
 
 
 def _floor(tower, loss_fn, inputs):
-    """The plan's fixed part (everything but activations and random states), in bytes."""
+    """The plan's fixed part (everything but activations and random states, with the
+    documents' fixed activation cost: the step's overhead), in bytes."""
     _, plan = _plan(tower, loss_fn, inputs, 2 ** 40)
-    return plan.memory.floor - plan.memory.rng_states + plan.memory.loss_block, plan
+    return (plan.memory.floor - plan.memory.rng_states + plan.memory.loss_block
+            + plan.costs["doc"].fixed), plan
 
 
 def test_a_larger_budget_gives_a_larger_chunk_and_every_estimate_fits():

@@ -553,8 +553,8 @@ class GradCache:
         """What one chunk of tower ``name`` keeps for its backward, per row: measured
         (:func:`~bigbatch.engine.sizing.activation_bytes`, counted
         :data:`~bigbatch.engine.sizing.ACTIVATION_MARGIN` larger for the backward's own
-        gradients) on the longest rows of ``inputs`` (in the default layout; otherwise the
-        first ones), ``rows`` rows at a time, with the step's autocast and a forked random
+        gradients, plus :data:`~bigbatch.engine.sizing.STEP_OVERHEAD`) on the longest rows of
+        ``inputs`` (in the default layout; otherwise the first ones), ``rows`` rows at a time, with the step's autocast and a forked random
         state; a tower without trainable parameters is measured as if it had them (an upper
         bound of its forward without gradients).
         Returns the cost with the embedding's width and tokens per row."""
@@ -587,6 +587,7 @@ class GradCache:
                 p.requires_grad_(False)
             random.setstate(states)
         per_row, fixed = _fit(counts, [m * sizing.ACTIVATION_MARGIN for m in measured])
+        fixed += sizing.STEP_OVERHEAD
         row_bytes = E.row_numel(out_shape["dim"], out_shape["tokens"]) * out_shape["size"] \
             + out_shape["tokens"]  # a token tower's cache keeps a bool mask beside its values
         return TowerCost(ActivationCost(per_row, fixed, width, row_bytes), out_shape["dim"],

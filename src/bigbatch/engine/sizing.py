@@ -44,7 +44,7 @@ from ..errors import ConfigError
 __all__ = ["StepMemory", "ActivationCost", "ChunkPlan", "activation_bytes", "choose_chunks",
            "free_memory", "check_budget", "budget_bytes", "optimizer_state_bytes", "PeakMemory",
            "CPU_RNG_STATE_BYTES", "DEVICE_RNG_STATE_BYTES", "OPTIMIZER_STATES", "ACTIVATION_MARGIN",
-           "MiB"]
+           "STEP_OVERHEAD", "MiB"]
 
 MiB = 2 ** 20
 
@@ -57,6 +57,11 @@ ACTIVATION_MARGIN = 1.1
 """A probe's saved tensors are what a chunk keeps for its backward; the backward itself holds
 one layer's gradients beside them at a time (all-MiniLM-L6-v2 at 256 tokens on the CPU: a
 step's peak 1% above the count), so a chunk's cost is counted this much larger."""
+
+STEP_OVERHEAD = 16 * MiB
+"""What a step allocates beyond its tensors' count whatever its size (the autograd engine's
+and the libraries' own buffers: 4 to 6 MB measured on the CPU with a tiny BERT), counted with
+each chunk's activations."""
 
 # tensors per parameter an optimizer keeps, before its first step has made them (Adam's
 # two moments, momentum's one); an optimizer not named here is counted as Adam
