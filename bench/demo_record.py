@@ -37,17 +37,27 @@ def record(run: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("name", help="the run folder's name under runs/ (demo-mix, demo-colbert)")
-    ap.add_argument("--wall-minutes", type=float, required=True,
+    ap.add_argument("name", nargs="?", help="the run folder's name under runs/ (demo-mix, "
+                    "demo-colbert)")
+    ap.add_argument("--run", default=None, help="a run folder elsewhere (instead of a name)")
+    ap.add_argument("--wall-minutes", type=float, default=None,
                     help="the make target's wall time, both evaluations included")
     ap.add_argument("--note", default="", help="what else ran on the machine, threads")
+    ap.add_argument("--device", default="cpu", help="the device the run trained on")
+    ap.add_argument("--command", default=None, help="the command that made the run")
+    ap.add_argument("--out", default=None, help="the result file (default: "
+                    "bench/results/<name>-scifact.json)")
     args = ap.parse_args()
-    out = RESULTS / f"{args.name}-scifact.json"
-    host = machine("cpu")
+    if (args.name is None) == (args.run is None):
+        ap.error("give a run name or --run FOLDER")
+    run = Path(args.run) if args.run else ROOT / "runs" / args.name
+    out = Path(args.out) if args.out else RESULTS / f"{args.name or run.name}-scifact.json"
+    host = machine(args.device)
     host.pop("threads")  # this process's, not the run's: --note says what the run had
-    result = {"date": now(), "machine": host, "target": f"make {args.name}",
-              "wall_minutes": args.wall_minutes, "note": args.note,
-              **record(ROOT / "runs" / args.name)}
+    result = {"date": now(), "machine": host,
+              "target": f"make {args.name}" if args.name else None,
+              "command": args.command or f"make {args.name}",
+              "wall_minutes": args.wall_minutes, "note": args.note, **record(run)}
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 
