@@ -1,9 +1,16 @@
 """Chunks sized for a memory budget (``GradCache(chunk_size="auto")``): a larger budget gives a
 larger chunk, a budget above the plain step gives plain training with the unchunked gradient,
 each tower is sized for its own lengths, a token budget likewise, and a budget too small for
-one row is a clear error naming the smallest budget that works."""
+one row is a clear error naming the smallest budget that works; measured in a process of its
+own, a step never goes over its budget."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -218,3 +225,42 @@ def test_an_optimizer_s_states_are_counted():
     assert sizing.optimizer_state_bytes(sgd) == 0
     _, with_adam = _plan(tower, loss_fn, inputs, 2 ** 34, optimizer=adam)
     assert with_adam.memory.optimizer_states == 2 * size
+
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "chunk_auto.py"
+
+
+def _measured(model: str, batch: int, length: int, budget: int) -> dict:
+    """One step sized for ``budget`` in its own process (bench/chunk_auto.py's point): the
+    chosen chunks, the estimate and the measured peak (resident memory above the memory
+    before the step, with glibc returning freed blocks at once, plus AdamW's states)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(BENCH.parents[1] / "src"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, str(BENCH), "--point", f"auto:{budget}", "--model", model,
+                        "--batch", str(batch), "--max-length", str(length), "--threads", "1"],
+                       capture_output=True, text=True, env=env, timeout=3600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _check_three_budgets(model: str, batch: int, length: int, budgets_mb: list[int]) -> None:
+    points = [_measured(model, batch, length, mb * 2 ** 20) for mb in budgets_mb]
+    docs = [p["sizes"]["doc"] for p in points]
+    assert docs == sorted(docs) and docs[0] < docs[-1], points  # more budget, larger chunks
+    for p, mb in zip(points, budgets_mb):
+        assert p["estimate_mb"] <= mb
+        assert p["peak_mb"] <= mb, p  # never over the budget, measured
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
+def test_a_tiny_bert_never_goes_over_its_budget_measured():
+    _check_three_budgets("tiny-bert", 64, 128, [100, 130, 180])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
+def test_minilm_at_256_tokens_never_goes_over_its_budget_measured():
+    """all-MiniLM-L6-v2, batch 32, max length 256 (SciFact abstracts fill it): about 100 MB
+    a document row of activations."""
+    _check_three_budgets("minilm", 32, 256, [600, 1000, 1600])
