@@ -45,22 +45,31 @@ RUNS = {"demo": "demo-scifact", "demo-mix": "demo-mix", "demo-colbert": "demo-co
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("name", help="the make target (demo, demo-mix, demo-colbert) or a run "
-                    "folder's name under runs/")
+    ap.add_argument("name", nargs="?", help="the make target (demo, demo-mix, demo-colbert) "
+                    "or a run folder's name under runs/")
+    ap.add_argument("--run", type=Path, default=None,
+                    help="a run folder elsewhere (instead of a name)")
     ap.add_argument("--wall-minutes", type=float, default=None,
                     help="the make target's wall time, both evaluations included (default: "
                     "not recorded; run_minutes, the training command's own, always is)")
     ap.add_argument("--note", default="", help="what else ran on the machine, threads")
+    ap.add_argument("--device", default="cpu", help="the device the run trained on")
+    ap.add_argument("--command", default=None, help="the command that made the run "
+                    "(default: make <target>)")
     ap.add_argument("--out", type=Path, default=None, help="the file to write (default: "
                     "bench/results/<run>-scifact.json, or <run>.json for a run named so)")
     args = ap.parse_args()
-    run = RUNS.get(args.name, args.name)
+    if (args.name is None) == (args.run is None):
+        ap.error("give a make target, a run name or --run FOLDER")
+    run = args.run.name if args.run else RUNS.get(args.name, args.name)
+    folder = args.run or ROOT / "runs" / run
     out = args.out or RESULTS / (f"{run}.json" if run.endswith("-scifact") else f"{run}-scifact.json")
-    host = machine("cpu")
+    host = machine(args.device)
     host.pop("threads")  # this process's, not the run's: --note says what the run had
-    target = next((t for t, r in RUNS.items() if r == run), run)
-    found = record(ROOT / "runs" / run)
-    result = {"date": now(), "machine": host, "target": f"make {target}",
+    target = None if args.run else next((t for t, r in RUNS.items() if r == run), run)
+    found = record(folder)
+    result = {"date": now(), "machine": host, "target": f"make {target}" if target else None,
+              "command": args.command or (f"make {target}" if target else None),
               "wall_minutes": args.wall_minutes, "note": args.note,
               "run_minutes": round(found["seconds"] / 60, 1) if found["seconds"] else None,
               **found}

@@ -42,10 +42,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, minilm, now, scifact_pairs, status_mb, tiny_bert
-
-MODELS = {"minilm": "all-MiniLM-L6-v2 (train mode)",
-          "tiny-bert": "BERT, 2 layers, hidden 128, 2 heads, MLP 512, random init (train mode)"}
+from common import (
+    MODELS,
+    RESULTS,
+    machine,
+    minilm,
+    now,
+    scifact_pairs,
+    status_mb,
+    tiny_bert,
+    weights,
+)
 
 
 def _reset_peak() -> bool:
@@ -254,6 +261,7 @@ def main() -> None:
     result = {"benchmark": "memory", "date": now(), "machine": machine(args.device),
               "command": "python bench/memory.py " + " ".join(sys.argv[1:]),
               "settings": {k: v for k, v in vars(args).items() if k != "point"}
+              | weights(args.model)
               | {"model": MODELS[args.model] + (", ColBERT towers (128-d token vectors), "
                                                  "MaxSimInfoNCE" if args.multivector else ""),
                  "data": "SciFact train pairs"},

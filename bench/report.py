@@ -15,6 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT
+from gpu_report import GPU_RESULTS
+from gpu_report import section as gpu_section
 from speed import summarize
 
 DOCS = ROOT / "docs"
@@ -274,14 +276,14 @@ def targets_section() -> list[str]:
     else:
         out.append(fmt(False, "batch 65,536 at max length 32 within 24 GB: not measured yet "
                               "(about an hour on 2 CPU cores)"))
-    gpu = sorted(RESULTS.glob("speed-cuda-bf16-*.json"))
+    gpu = sorted([*RESULTS.glob("speed-cuda-bf16-*.json"), *GPU_RESULTS.glob("speed-*.json")])
     if gpu:
         names = sorted({json.loads(p.read_text())["machine"].get("gpu", "a CUDA GPU")
                         for p in gpu})
         out.append(fmt(True, f"GPU bf16 table: measured on {', '.join(names)} (tables below)"))
     else:
         out.append(fmt(False, "GPU bf16 table: no GPU result in bench/results yet; "
-                              "`bash bench/gpu.sh` on a CUDA machine makes it"))
+                              "`make bench-gpu` on a CUDA machine makes it"))
     return out + [""]
 
 
@@ -449,6 +451,7 @@ def main() -> None:
         lines += eval_memory_section(p)
     lines += pylate_section(sorted(RESULTS.glob("speed-multivector-*.json")))
     lines += data_scale_section(sorted(RESULTS.glob("data_scale*.json")))
+    lines += gpu_section()  # make bench-gpu's results (bench/gpu_report.py)
     (DOCS / "benchmarks.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {DOCS / 'benchmarks.md'}")
 

@@ -27,17 +27,33 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, minilm, now, scifact_pairs
+from common import (
+    MODELS,
+    RESULTS,
+    machine,
+    minilm,
+    now,
+    scifact_pairs,
+    timed_rounds,
+    tiny_sentence_model,
+    weights,
+)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--chunk", default="16",
+                    help="rows per chunk, or auto: bigbatch sizes its chunks for "
+                    "--memory-budget (GradCache(chunk_size='auto')) and the other contenders "
+                    "use its document chunk")
+    ap.add_argument("--memory-budget", default="0.8",
+                    help="with --chunk auto: a fraction of the free memory or a size (20GB)")
+    ap.add_argument("--model", choices=("minilm", "tiny-bert"), default="minilm",
+                    help="all-MiniLM-L6-v2, or a 2-layer random BERT (the dry run's)")
     ap.add_argument("--max-length", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stat", choices=("min", "median"), default="min",
@@ -72,7 +88,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     device = args.device
-    model = minilm(device)
+    model = minilm(device) if args.model == "minilm" else tiny_sentence_model(device)
     model.max_seq_length = args.max_length
     model.train()
     scale = 20.0
@@ -103,6 +119,18 @@ def main() -> None:
         loss, _ = loss_fn(query=qe.float(), doc=de.float())
         loss.backward()
 
+    plan = None
+    if args.chunk == "auto":  # bigbatch's sizes for the budget; the others take its chunk
+        from bigbatch.train.option_values import memory_size
+
+        sizer = bb.GradCache({"query": tower, "doc": tower}, loss_fn, chunk_size="auto",
+                             memory_budget=memory_size(args.memory_budget, "--memory-budget"),
+                             optimizer=opt, autocast_dtype=amp, sort_by_length=True,
+                             params=params)
+        plan = sizer.plan_chunks({"query": q, "doc": d})
+        args.chunk = plan.sizes["doc"]
+        print(f"auto: {plan.describe()}", flush=True)
+    args.chunk = int(args.chunk)
     cmnrl = CachedMultipleNegativesRankingLoss(model, scale=scale, mini_batch_size=args.chunk)
 
     def st_cached():
@@ -114,6 +142,11 @@ def main() -> None:
                       autocast_dtype=amp)
     gc_sorted = bb.GradCache({"query": tower, "doc": tower}, loss_fn, chunk_size=args.chunk,
                              autocast_dtype=amp, sort_by_length=True)
+    if plan is not None:  # auto: as bigbatch train runs it (per-tower sizes, plain or not)
+        gc = bb.GradCache({"query": tower, "doc": tower}, loss_fn, chunk_size="auto",
+                          autocast_dtype=amp, memory_budget=2 ** 62)
+        gc_sorted = sizer
+        gc.use_plan(plan)
     def trimmed(c):  # the chunks the engine runs: each cut to its own longest row
         width = int(c["attention_mask"].sum(1).max())
         return {k: v[:, :width] for k, v in c.items()}
@@ -154,30 +187,16 @@ def main() -> None:
     if args.direct_floors:
         contenders |= {"Gc_floor_bigbatch_work": floor_bigbatch, "Gb_floor_st_work": floor_st}
 
-    def timed(fn):
-        opt.zero_grad(set_to_none=True)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        opt.step()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    for fn in contenders.values():  # warm-up
-        timed(fn)
-    times = {k: [] for k in contenders}
-    for r in range(args.repeats):
-        for k, fn in contenders.items():
-            times[k].append(timed(fn))
-        print(f"round {r + 1}/{args.repeats}: " +
-              ", ".join(f"{k.split('_')[0]} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
+    times = timed_rounds(contenders, args.repeats, device,
+                         before=lambda: opt.zero_grad(set_to_none=True), after=opt.step)
     result = {
         "benchmark": "speed", "date": now(), "machine": machine(device),
         "command": "python bench/speed.py " + " ".join(sys.argv[1:]),
-        "settings": vars(args) | {"scale": scale, "model": "all-MiniLM-L6-v2 (train mode)",
-                                  "data": "SciFact train claim/abstract pairs"},
+        "settings": vars(args) | weights(args.model) | {"scale": scale,
+                                                         "model": MODELS[args.model],
+                                  "data": "SciFact train claim/abstract pairs"}
+        | ({"auto": {"sizes": plan.sizes, "plain": plan.plain, "budget_mb": plan.budget / 2**20,
+                     "estimate_mb": plan.memory.total / 2**20}} if plan is not None else {}),
         "all_seconds": times,
     } | summarize(times, args.stat)
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,8 @@ def flags(*argv):
 
 def test_defaults_follow_the_seed():
     c = TrainConfig(model="m", train_data="d").validate()
-    assert (c.batch_size, c.grad_cache_chunk, c.lr, c.warmup_steps, c.max_steps) == (4, 2, 2e-5, 50, 500)
+    assert (c.batch_size, c.grad_cache_chunk, c.lr, c.warmup_steps, c.max_steps) == \
+        (4, "auto", 2e-5, 50, 500)
     assert (c.temperature, c.num_hard_negatives, c.lora_r, c.lora_alpha, c.max_grad_norm) == \
         (0.07, 0, 32, 32, 1.0)
 
@@ -32,7 +33,7 @@ def test_yaml_then_flags_override(tmp_path):
     assert c.batch_size == 8                  # the flag wins
     assert c.symmetric is False
     assert c.lora_target_modules == ["query", "value"]
-    assert c.grad_cache_chunk == 2            # default untouched
+    assert c.grad_cache_chunk == "auto"       # default untouched
 
 
 @pytest.mark.parametrize("file_keys,argv,expect", [

@@ -25,12 +25,16 @@ into chunks is :mod:`bigbatch.engine.chunking`; what the ranks of ``torch.distri
 and exchange around the three stages (and how a failure on one rank ends the step on all)
 is :mod:`bigbatch.engine.rank_step`. A tower may return one vector per token
 (:class:`bigbatch.TokenEmbeddings`) for a late-interaction loss; what the cache then holds,
-and its memory, is :mod:`bigbatch.engine.embeddings`.
+and its memory, is :mod:`bigbatch.engine.embeddings`. With ``chunk_size="auto"`` (or
+``chunk_tokens="auto"``) the chunks are sized for a memory budget from a measured probe
+(:meth:`GradCache.plan_chunks`, the arithmetic in :mod:`bigbatch.engine.sizing`); when the
+whole batch fits, the step is plain training: every tower embedded once, its graph kept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,13 +43,19 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError, InputError, NonFiniteError
-from . import chunking, rank_step
+from . import chunking, rank_step, sizing
 from . import distributed as D
 from . import embeddings as E
 from .chunking import Chunk
-from .embeddings import Embedding
+from .embeddings import Embedding, TokenEmbeddings
 from .loss_contract import LossArguments, loss_and_metrics, scalar_loss
 from .rng import RandContext
+from .sizing import ActivationCost, ChunkPlan, StepMemory
+
+AUTO = "auto"  # chunk_size / chunk_tokens: sized for the memory budget
+DEFAULT_BUDGET = 0.8  # memory_budget when none is given: 80% of the device's free memory
+PROBE_ROWS = (2, 4)  # rows of the two probe chunks whose activations give the cost per row
+_UNCUT = 2 ** 31 - 1  # rows per chunk before the sizes are decided: one chunk per tower
 
 __all__ = ["GradCache", "StepResult"]
 
@@ -112,7 +122,11 @@ class GradCache:
             tensor, a ``(loss, metrics)`` pair (e.g. :class:`bigbatch.InfoNCE`) or a dict with
             a ``"loss"`` key. Any loss works, not only InfoNCE.
         chunk_size: rows per chunk, one int for all towers or ``{name: int}``; with
-            ``chunk_tokens``, the most rows a chunk may hold.
+            ``chunk_tokens``, the most rows a chunk may hold. ``"auto"`` (for all towers, or
+            as a tower's value): the largest chunk whose step fits ``memory_budget``, decided
+            at the first step from a probe of its inputs (or by :meth:`plan_chunks`), at most
+            the batch; when every tower's batch fits at once, the step is plain training
+            (one pass, every graph kept, nothing replayed).
         chunk_tokens: a token budget per chunk, one int for all towers or ``{name: int}``
             (towers left out are cut by rows alone): a chunk holds as many rows as fit this
             many padded tokens (rows x the chunk's longest row, after ``trim_padding``), so
@@ -120,7 +134,16 @@ class GradCache:
             ``sort_by_length`` the rows are packed longest first. A row longer than the budget
             is a chunk of its own. Needs tokenized inputs (a dict with a 2-d
             ``attention_mask``, or a ``(rows, tokens)`` tensor) and the default
-            :meth:`split_inputs`. Exact, as row chunks are.
+            :meth:`split_inputs`. Exact, as row chunks are. ``"auto"`` (for all towers, or as
+            a tower's value): the largest budget that fits ``memory_budget``.
+        memory_budget: with ``"auto"`` sizes, what one step may hold at its peak: bytes (an
+            int), or a fraction of the device's free memory when the sizes are decided (a
+            float in (0, 1]; default 0.8). The step's parts: cached embeddings and their
+            gradients, parameter gradients, the optimizer's states, one loss block (the loss's
+            ``memory_hint`` if it has one, else measured) and one chunk's activations.
+        optimizer: with ``"auto"`` sizes, the optimizer whose states the budget holds too
+            (states it has not made yet are counted by
+            :func:`bigbatch.engine.sizing.optimizer_state_bytes`).
         collate_fn: for towers fed lists of raw examples: a callable (all towers) or
             ``{name: callable}`` that turns a list of examples into a tensor or dict. It runs
             under the chunk's recorded random state, so random augmentation in it draws the
@@ -162,12 +185,15 @@ class GradCache:
             parameters the engine cannot find (default: the towers' and the loss's).
 
     Raises:
-        ConfigError: bad options (chunk size <= 0, a loss that does not take a tower's name).
+        ConfigError: bad options (chunk size <= 0, a loss that does not take a tower's name,
+            a memory budget without an ``"auto"`` size).
     """
 
     def __init__(self, towers: Mapping[str, Callable[..., Tensor]], loss_fn: Callable[..., Any],
-                 chunk_size: int | Mapping[str, int], *,
-                 chunk_tokens: int | Mapping[str, int] | None = None,
+                 chunk_size: int | str | Mapping[str, int | str], *,
+                 chunk_tokens: int | str | Mapping[str, int | str] | None = None,
+                 memory_budget: int | float | None = None,
+                 optimizer: Any = None,
                  collate_fn: Callable[[list], Any] | Mapping[str, Callable[[list], Any]] | None = None,
                  device: torch.device | str | None = None,
                  autocast_dtype: torch.dtype | None = None,
@@ -188,8 +214,24 @@ class GradCache:
                 raise ConfigError(f"tower {name!r} is not callable ({type(tower).__name__})")
         self.towers: dict[str, Callable[..., Tensor]] = dict(towers)
         self.loss_fn = loss_fn
-        self.chunk_sizes = chunking.chunk_sizes(chunk_size, self.towers)
-        self.chunk_tokens = self._token_budgets(chunk_tokens)
+        self._auto_rows = _auto_towers(chunk_size, self.towers)
+        self._auto_tokens = _auto_towers(chunk_tokens, self.towers)
+        # rows per chunk per tower; an "auto" tower's are decided by plan_chunks()
+        self.chunk_sizes: dict[str, int] = chunking.chunk_sizes(
+            _without_auto(chunk_size, self.towers, _UNCUT), self.towers)
+        self.chunk_tokens = self._token_budgets(_without_auto(chunk_tokens, self.towers, None))
+        if self._auto_tokens and type(self).split_inputs is not GradCache.split_inputs:
+            raise ConfigError("chunk_tokens cuts the default layout of inputs; an overridden "
+                              "split_inputs defines its own chunks (use chunk_size there)")
+        if memory_budget is not None and not (self._auto_rows or self._auto_tokens):
+            raise ConfigError("memory_budget sizes the chunks of chunk_size='auto' (or "
+                              "chunk_tokens='auto'); with fixed sizes it has nothing to size")
+        if memory_budget is not None:
+            sizing.check_budget(memory_budget)
+        self.memory_budget = DEFAULT_BUDGET if memory_budget is None else memory_budget
+        self.optimizer = optimizer
+        self.memory_plan: ChunkPlan | None = None  # the sizes chosen for the budget
+        self._plain = False  # every tower one chunk, its graph kept: plain training
         self.collate_fns = chunking.collate_fns(collate_fn, self.towers)
         self.device = torch.device(device) if device is not None else None
         if autocast_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
@@ -267,6 +309,9 @@ class GradCache:
         if ranks.distributed:
             return self._step_across_ranks(ranks, inputs)
         loss_kwargs = self._loss_args.of_step(inputs)
+        if self._unsized():
+            self.plan_chunks({name: inputs[name] for name in self.towers},
+                             loss_kwargs=loss_kwargs)
         runs = [self._plan(name, inputs[name]) for name in self.towers]
         self._where = ""
         with rank_step.no_sync(self.towers, ranks.fsdp), torch.enable_grad():
@@ -289,6 +334,10 @@ class GradCache:
         except Exception as e:  # noqa: BLE001 - raised on every rank by agree_on_sizes
             failure = e
         counts = ranks.agree_on_sizes({r.name: r.rows for r in runs}, loss_kwargs, failure)
+        if self._unsized():  # every rank sizes its chunks, then all take the smallest
+            self.plan_chunks({name: inputs[name] for name in self.towers},
+                             loss_kwargs=loss_kwargs)
+            runs = [self._plan(name, inputs[name], allow_empty=True) for name in self.towers]
         self._where = ""
         with rank_step.no_sync(self.towers, ranks.fsdp), torch.enable_grad():
             failure = None
@@ -319,8 +368,9 @@ class GradCache:
         for i, run in enumerate(runs):
             cache = E.CacheWriter(run.name, run.rows, run.order, run.trainable)
             for c, planned in enumerate(run.chunks):
-                keep = (self.reuse_last_chunk and i == last_trainable
-                        and c == len(run.chunks) - 1)
+                keep = (self.reuse_last_chunk and c == len(run.chunks) - 1
+                        and (i == last_trainable
+                             or (self._plain and run.trainable and len(run.chunks) == 1)))
                 self._where = f"while embedding tower {run.name!r} (chunk {c}, first pass)"
                 ctx = None
                 # the random state before collating, so that a random collate_fn is replayed too
@@ -388,7 +438,255 @@ class GradCache:
                     emb = self.embed(run.name, chunk)
             E.surrogate_backward(emb, g, span)
 
+    # ------------------------------------------------------------------ sizing
+    def plan_chunks(self, inputs: Mapping[str, Any], *, rows: Mapping[str, int] | None = None,
+                    budget: int | float | None = None, parameter_bytes: int | None = None,
+                    optimizer_bytes: int | None = None,
+                    loss_kwargs: Mapping[str, Any] | None = None,
+                    world_size: int | None = None, budget_name: str = "memory_budget",
+                    use: bool = True) -> ChunkPlan:
+        """Size the ``"auto"`` chunks for a memory budget, use the sizes (``use``), and return
+        the :class:`~bigbatch.engine.sizing.ChunkPlan` (also kept as :attr:`memory_plan`).
+        A step of an engine with ``"auto"`` sizes calls it on its first inputs; call it
+        yourself to know the sizes before the first step.
+
+        Each trainable tower's activations are measured on its longest rows, twice
+        (:data:`PROBE_ROWS` rows, :meth:`activation_cost`), under a forked random state, so
+        the step's dropout draws are those it would have drawn without the probe. The loss
+        block is the loss's ``memory_hint(rows, dims, tokens)`` (bytes, for the rows per
+        tower it sees, the embeddings' widths and tokens per row; None: measure it) where it
+        has one, else
+        measured on random embeddings of a step's shapes (twice what it keeps for its
+        backward).
+
+        Args:
+            inputs: ``{tower: inputs}``: a step's, or rows as long as a step's longest.
+            rows: rows per tower in a step (default: those of ``inputs``).
+            budget: bytes, or a fraction of the free memory (default: ``memory_budget``).
+            parameter_bytes: the gradients of the trainable parameters (default: every
+                trainable parameter of the towers and the loss, once); a sharded model
+                gives its own rank's.
+            optimizer_bytes: the optimizer's states (default: those of ``optimizer``).
+            loss_kwargs: the loss's other arguments, to measure a loss without a hint.
+            world_size: processes whose rows the loss sees (default: the group's, with
+                ``cross_device``).
+            budget_name: how errors name the budget (``--memory-budget``).
+            use: use the sizes (False: only return the plan).
+
+        Under ``torch.distributed`` every rank calls it (a step does): each measures its own
+        inputs, and all take the smallest sizes of any rank, so FSDP towers run as many chunks
+        on every rank; a failure on one rank is raised on all.
+
+        Raises:
+            ConfigError: not even one row per chunk fits (naming the smallest budget that
+                does), a token budget for inputs without token columns, or no sizes to
+                choose.
+        """
+        if not (self._auto_rows or self._auto_tokens):
+            raise ConfigError("plan_chunks sizes chunk_size='auto' or chunk_tokens='auto'; "
+                              "this engine's sizes are fixed")
+        options = dict(rows=rows, budget=budget, parameter_bytes=parameter_bytes,
+                       optimizer_bytes=optimizer_bytes, loss_kwargs=loss_kwargs,
+                       world_size=world_size, budget_name=budget_name)
+        if not D.is_distributed(self.process_group):
+            plan = self._local_plan(inputs, **options)
+        else:
+            plan = self._plan_across_ranks(inputs, options)
+        if use:
+            self.use_plan(plan)
+        return plan
+
+    def _local_plan(self, inputs: Mapping[str, Any], *, rows: Mapping[str, int] | None,
+                    budget: int | float | None, parameter_bytes: int | None,
+                    optimizer_bytes: int | None, loss_kwargs: Mapping[str, Any] | None,
+                    world_size: int | None, budget_name: str) -> ChunkPlan:
+        """:meth:`plan_chunks` on this process's inputs alone."""
+        device = self._sizing_device(inputs)
+        if world_size is None:
+            world_size = D.world_info(self.process_group).world_size \
+                if self.cross_device and D.is_distributed(self.process_group) else 1
+        costs = {name: self.activation_cost(name, inputs[name]) for name in self.towers}
+        rows = dict(rows) if rows is not None else \
+            {name: self._rows_of(name, inputs[name]) for name in self.towers}
+        dims, tokens = {n: c.dim for n, c in costs.items()}, {n: c.tokens for n, c in costs.items()}
+        loss = self._loss_bytes({n: rows[n] * world_size for n in rows}, dims, tokens,
+                                loss_kwargs or {}, device, world_size)
+        emb = sum(rows[n] * costs[n].cost.row_bytes for n in rows)
+        if world_size > 1:  # the gathered embeddings of every rank, beside this rank's own
+            emb += sum(rows[n] * world_size * costs[n].cost.row_bytes for n in rows)
+        params = self._trainable_params()
+        if parameter_bytes is None:
+            parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+        if optimizer_bytes is None:
+            optimizer_bytes = sizing.optimizer_state_bytes(self.optimizer)
+        base = StepMemory(embeddings=emb, embedding_grads=emb, rng_states=0,
+                          parameter_grads=parameter_bytes, chunk_activations=0,
+                          loss_block=loss, optimizer_states=optimizer_bytes)
+        given = {n: s for n, s in self.chunk_sizes.items()
+                 if n not in self._auto_rows and n not in self._auto_tokens}
+        caps = {n: s for n, s in self.chunk_sizes.items() if n not in self._auto_rows}
+        accelerators = int(device.type != "cpu")
+        return sizing.choose_chunks(
+            sizing.budget_bytes(self.memory_budget if budget is None else budget, device,
+                                budget_name),
+            rows, {n: c.cost for n, c in costs.items()}, base=base, given=given,
+            token_towers=self._auto_tokens, row_caps=caps,
+            allow_plain=self.reuse_last_chunk and not self.chunk_tokens,
+            rng_state_bytes=sizing.CPU_RNG_STATE_BYTES
+            + accelerators * sizing.DEVICE_RNG_STATE_BYTES,
+            transient=max((p.numel() * p.element_size() for p in params), default=0),
+            budget_name=budget_name)
+
+    def use_plan(self, plan: ChunkPlan) -> None:
+        """Cut chunks as ``plan`` says from the next step on (its sizes, token budgets and
+        whether the step is plain training), e.g. a plan lowered after a step whose peak went
+        over the budget (:meth:`~bigbatch.engine.sizing.ChunkPlan.lowered`)."""
+        sizes = chunking.chunk_sizes(dict(plan.sizes), self.towers)
+        tokens = {**self.chunk_tokens, **plan.tokens}
+        self.chunk_tokens = self._token_budgets(tokens or None)
+        self.chunk_sizes = sizes
+        self._plain = plan.plain
+        self.memory_plan = plan
+
+    def activation_cost(self, name: str, inputs: Any,
+                        rows: tuple[int, ...] = PROBE_ROWS) -> "TowerCost":
+        """What one chunk of tower ``name`` keeps for its backward, per row: measured
+        (:func:`~bigbatch.engine.sizing.activation_bytes`, counted
+        :data:`~bigbatch.engine.sizing.ACTIVATION_MARGIN` larger for the backward's own
+        gradients, plus :data:`~bigbatch.engine.sizing.STEP_OVERHEAD`) on the longest rows of
+        ``inputs`` (in the default layout; otherwise the first ones), ``rows`` rows at a
+        time, with the step's autocast and a forked random state; a tower without trainable
+        parameters is measured as if it had them (an upper bound of its forward without gradients).
+        Returns the cost with the embedding's width and tokens per row."""
+        total = self._rows_of(name, inputs)
+        counts = sorted({min(r, total) for r in rows})
+        tower = D.unwrap_ddp(self.towers[name])
+        params = list(tower.parameters()) if callable(getattr(tower, "parameters", None)) \
+            else list(self._explicit_params or [])
+        frozen = [p for p in params if not p.requires_grad]
+        measured, out_shape = [], {}
+        states = random.getstate()
+        try:
+            for p in frozen:
+                p.requires_grad_(True)
+            for r in counts:
+                chunk = self._probe_chunk(name, inputs, r)
+                width = _width_of(chunk)
+
+                def run(chunk: Any = chunk) -> Any:
+                    with self._autocast(chunking.first_device(chunk)):
+                        out = self.embed(name, chunk)
+                    out_shape.update(dim=E.dim_of(out), tokens=E.tokens_of(out),
+                                     size=max(E.dtype_of(out).itemsize, 4))
+                    return out
+
+                with torch.random.fork_rng(devices=self._fork_devices(chunk)):
+                    measured.append(sizing.activation_bytes(run, params))
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+            random.setstate(states)
+        per_row, fixed = _fit(counts, [m * sizing.ACTIVATION_MARGIN for m in measured])
+        fixed += sizing.STEP_OVERHEAD
+        row_bytes = E.row_numel(out_shape["dim"], out_shape["tokens"]) * out_shape["size"] \
+            + out_shape["tokens"]  # a token tower's cache keeps a bool mask beside its values
+        return TowerCost(ActivationCost(per_row, fixed, width, row_bytes), out_shape["dim"],
+                         out_shape["tokens"])
+
     # ----------------------------------------------------------------- helpers
+    def _unsized(self) -> bool:
+        return bool(self._auto_rows or self._auto_tokens) and self.memory_plan is None
+
+    def _plan_across_ranks(self, inputs: Mapping[str, Any], options: dict[str, Any]) -> ChunkPlan:
+        """Every rank's :meth:`_local_plan`, then the smallest sizes of all ranks (a failure
+        on one rank raised on all)."""
+        plan, failure = None, None
+        names = list(self.towers)
+        try:
+            plan = self._local_plan(inputs, **options)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by exchange_failure
+            failure = e
+        mine = [0] * (2 * len(names) + 1) if plan is None else \
+            [plan.sizes[n] for n in names] + [plan.tokens.get(n, 0) for n in names] + \
+            [int(plan.plain)]
+        table = D.exchange_failure(failure, self.process_group, "while sizing the chunks",
+                                   values=mine)
+        low = table.min(0).values.tolist()
+        sizes = dict(zip(names, low[:len(names)]))
+        tokens = {n: v for n, v in zip(names, low[len(names):2 * len(names)]) if v}
+        return plan.at(sizes, tokens, plain=bool(low[-1]))
+
+    def _rows_of(self, name: str, inputs: Any) -> int:
+        if type(self).split_inputs is GradCache.split_inputs:
+            return chunking.rows_of(inputs, name)
+        return sum(chunking.checked_split(name, *self.split_inputs(name, inputs, _UNCUT))[1])
+
+    def _probe_chunk(self, name: str, inputs: Any, rows: int) -> Any:
+        """A chunk of ``rows`` of a tower's longest rows (the default layout; an override's,
+        or raw examples': its first chunk of that many rows), ready for the tower."""
+        order = chunking.length_order(inputs) \
+            if type(self).split_inputs is GradCache.split_inputs else None
+        if order is not None:
+            chunks, _ = chunking.ordered_chunks(inputs, order, rows,
+                                                trim_padding=self.trim_padding)
+        else:
+            chunks, _ = chunking.checked_split(name, *self.split_inputs(name, inputs, rows))
+        return chunking.to_device(chunking.materialize(chunks[0]), self.device)
+
+    def _fork_devices(self, chunk: Any) -> list[int]:
+        dev = self.device or chunking.first_device(chunk)
+        if dev is not None and dev.type == "cuda":
+            return [dev.index if dev.index is not None else torch.cuda.current_device()]
+        return []
+
+    def _sizing_device(self, inputs: Mapping[str, Any]) -> torch.device:
+        if self.device is not None:
+            return self.device
+        for value in inputs.values():
+            dev = chunking.first_device(value)
+            if dev is not None:
+                return dev
+        params = self._trainable_params()
+        return params[0].device if params else torch.device("cpu")
+
+    def _trainable_params(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for obj in [*(D.unwrap_ddp(t) for t in self.towers.values()), self.loss_fn]:
+            if callable(getattr(obj, "parameters", None)):
+                for p in obj.parameters():
+                    if p.requires_grad:
+                        seen.setdefault(id(p), p)
+        for p in self._explicit_params or []:
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _loss_bytes(self, rows: Mapping[str, int], dims: Mapping[str, int],
+                    tokens: Mapping[str, int], loss_kwargs: Mapping[str, Any],
+                    device: torch.device, world_size: int) -> int:
+        """One loss block: the loss's ``memory_hint`` where it has one; else twice what the
+        loss keeps for its backward on random embeddings of this rank's shapes (times the
+        number of ranks squared across ranks: its pairs grow so)."""
+        hint = getattr(self.loss_fn, "memory_hint", None)
+        value = hint(dict(rows), dict(dims), dict(tokens)) if callable(hint) else None
+        if value is not None:
+            return int(value)
+        local = {n: rows[n] // world_size for n in rows}
+        reps: dict[str, Embedding] = {}
+        for name, n in local.items():
+            shape = (n, tokens[name], dims[name]) if tokens[name] else (n, dims[name])
+            values = torch.nn.functional.normalize(torch.randn(shape, device=device), dim=-1)
+            values.requires_grad_(True)
+            reps[name] = TokenEmbeddings(values, torch.ones(shape[:2], dtype=torch.bool,
+                                                            device=device)) \
+                if tokens[name] else values
+        leaves = [r.values if isinstance(r, TokenEmbeddings) else r for r in reps.values()]
+        loss_params = list(self.loss_fn.parameters()) \
+            if callable(getattr(self.loss_fn, "parameters", None)) else []
+        kept = sizing.activation_bytes(lambda: self.compute_loss(reps, **loss_kwargs)[0],
+                                       [*leaves, *loss_params])
+        return 2 * kept * world_size ** 2
+
     def _plan(self, name: str, inputs: Any, allow_empty: bool = False) -> _TowerRun:
         """Chunk one tower's inputs. The row count is what :meth:`split_inputs` says, so an
         override handles layouts whose first dimension is not the batch; length ordering
@@ -474,5 +772,61 @@ class GradCache:
 
     def __repr__(self) -> str:
         tokens = f", chunk_tokens={self.chunk_tokens}" if self.chunk_tokens else ""
+        if self._unsized():
+            return (f"GradCache(towers={list(self.towers)}, chunk_size='auto' (sized at the "
+                    f"first step), loss_fn={type(self.loss_fn).__name__})")
         return (f"GradCache(towers={list(self.towers)}, chunk_size={self.chunk_sizes}{tokens}, "
                 f"loss_fn={type(self.loss_fn).__name__})")
+
+
+@dataclass(frozen=True)
+class TowerCost:
+    """What :meth:`GradCache.activation_cost` measured: one chunk's activations
+    (:class:`~bigbatch.engine.sizing.ActivationCost`), the embedding's width and its tokens
+    per row (0: one vector per row)."""
+
+    cost: ActivationCost
+    dim: int
+    tokens: int
+
+
+def _auto_towers(option: Any, towers: Mapping[str, Any]) -> set[str]:
+    """The towers an option sizes automatically: all for ``"auto"``, or those a dict gives
+    ``"auto"``."""
+    if isinstance(option, str) and option == AUTO:
+        return set(towers)
+    if isinstance(option, Mapping):
+        return {n for n, v in option.items() if isinstance(v, str) and v == AUTO}
+    return set()
+
+
+def _without_auto(option: Any, towers: Mapping[str, Any], placeholder: Any) -> Any:
+    """The option with its ``"auto"`` values replaced by ``placeholder`` (towers whose
+    placeholder is None are left out)."""
+    if isinstance(option, str) and option == AUTO:
+        return None if placeholder is None else placeholder
+    if isinstance(option, Mapping):
+        out = {n: placeholder if isinstance(v, str) and v == AUTO else v
+               for n, v in option.items()}
+        return {n: v for n, v in out.items() if v is not None}
+    return option
+
+
+def _width_of(chunk: Any) -> int:
+    """Token columns of a tokenized chunk (a dict's ``attention_mask`` or a 2-d tensor); 0
+    for anything else."""
+    mask = chunk.get("attention_mask") if isinstance(chunk, Mapping) else chunk
+    return int(mask.shape[1]) if isinstance(mask, Tensor) and mask.dim() >= 2 else 0
+
+
+def _fit(rows: list[int], measured: list[float]) -> tuple[float, int]:
+    """``(per_row, fixed)`` of a line through the measured ``(rows, bytes)`` points, never
+    below any of them (one point: through the origin)."""
+    if len(rows) == 1:
+        return measured[0] / rows[0], 0
+    (r1, b1), (r2, b2) = (rows[0], measured[0]), (rows[-1], measured[-1])
+    per_row = (b2 - b1) / (r2 - r1)
+    fixed = b1 - per_row * r1
+    if per_row <= 0 or fixed < 0:
+        return max(b1 / r1, b2 / r2), 0
+    return per_row, int(fixed)

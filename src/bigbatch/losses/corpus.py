@@ -3,7 +3,7 @@ embedded beforehand (:class:`CorpusInfoNCE`), its positive given by index."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,7 +12,7 @@ from torch import Tensor
 from ..errors import ShapeError
 from .base import LossOutput, PartialLoss, TemperatureLoss
 from .blockwise import Exclusions, cross_entropy_sum
-from .layout import MAX_BLOCK_LOGITS, check_blocking, rows_per_block
+from .layout import MAX_BLOCK_LOGITS, check_blocking, loss_block_bytes, rows_per_block
 
 if TYPE_CHECKING:
     from ..engine.distributed import Gathered
@@ -125,6 +125,14 @@ class CorpusInfoNCE(TemperatureLoss):
         metrics = {"pos_sim": pos_sim, "neg_sim": neg_sim, "margin": pos_sim - neg_sim,
                    "accuracy": correct / b, "temperature": 1.0 / scale, "masked": masked}
         return {k: v.detach() for k, v in metrics.items()}
+
+    def memory_hint(self, rows: Mapping[str, int], dims: Mapping[str, int] | None = None,
+                    tokens: Mapping[str, int] | None = None) -> int:
+        """Bytes the loss holds at its peak beyond its inputs and their gradients: one block
+        of ``rows["query"]`` queries against the corpus (the corpus itself exists already).
+        ``GradCache(chunk_size="auto")`` reads it."""
+        return loss_block_bytes(rows["query"], self.corpus.shape[0], self.block_size,
+                                self.dense, self.max_block_logits, masked=True)
 
     def forward(self, query: Tensor, positive_index: Tensor | Sequence[int],
                 other_positives: Tensor | None = None) -> LossOutput:

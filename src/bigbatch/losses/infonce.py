@@ -32,7 +32,7 @@ distillation term by weight (:mod:`bigbatch.losses.distill`, KL or MarginMSE).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,6 +49,7 @@ from .layout import (
     check_blocking,
     extra_negatives_of,
     hard_negative_count,
+    loss_block_bytes,
     rows_per_block,
 )
 
@@ -162,6 +163,23 @@ class InfoNCE(TemperatureLoss):
         self.distillation = None if distill is None else Distillation(
             distill, distill_weight,
             temperature if teacher_temperature is None else teacher_temperature)
+
+    def memory_hint(self, rows: Mapping[str, int], dims: Mapping[str, int] | None = None,
+                    tokens: Mapping[str, int] | None = None) -> int:
+        """Bytes the loss holds at its peak beyond its inputs and their gradients, for
+        ``rows`` queries and documents (as the loss sees them: the global batch across
+        ranks): one block of logits and its mask (:func:`~bigbatch.losses.layout.loss_block_bytes`;
+        the symmetric direction's blocks come after the other's). ``GradCache(chunk_size=
+        "auto")`` reads it."""
+        b, n = rows["query"], rows["doc"]
+        cols = n + (b if "qq" in self.extra_negatives else 0) + \
+            (n if "dd" in self.extra_negatives else 0)
+        blocks = dict(block_size=self.block_size, dense=self.dense,
+                      max_block_logits=self.max_block_logits, masked=True)
+        out = loss_block_bytes(b, cols, **blocks)
+        if self.symmetric:
+            out = max(out, loss_block_bytes(n, b, **blocks))
+        return out
 
     def _direction(self, rows: Tensor, cols: Tensor, pos: Tensor, scale: Tensor, group: int,
                    col_ids: Tensor | None, row_ids: Tensor | None,

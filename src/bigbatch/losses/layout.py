@@ -15,7 +15,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from ..errors import ConfigError, ShapeError
 
 __all__ = ["EXTRA_NEGATIVES", "extra_negatives_of", "initial_log_scale", "hard_negative_count",
-           "id_codes", "MAX_BLOCK_LOGITS", "STATS", "check_blocking", "rows_per_block"]
+           "id_codes", "MAX_BLOCK_LOGITS", "STATS", "check_blocking", "rows_per_block",
+           "loss_block_bytes", "DENSE_COPIES"]
 
 EXTRA_NEGATIVES = {
     "qq": "the other queries of the batch as negatives of a query (itself left out)",
@@ -136,3 +137,21 @@ def rows_per_block(n_cols: int, block_size: int | None, dense: bool = False,
     if block_size is not None:
         return block_size
     return max(1, max_block_logits // max(n_cols, 1))
+
+
+DENSE_COPIES = 4
+"""``B x N`` tensors alive in the dense loss's backward (similarities, logits, their
+softmax, its gradient)."""
+
+
+def loss_block_bytes(n_rows: int, n_cols: int, block_size: int | None, dense: bool = False,
+                     max_block_logits: int = MAX_BLOCK_LOGITS, masked: bool = False,
+                     element_size: int = 4) -> int:
+    """Bytes one block of a streamed loss holds at its peak: ``rows_per_block x n_cols``
+    logits of ``element_size`` bytes, plus one byte each for the mask of excluded columns
+    when ``masked`` (``doc_ids`` or a margin); the dense loss (:func:`rows_per_block` says
+    None) holds :data:`DENSE_COPIES` ``n_rows x n_cols`` tensors instead (and the mask)."""
+    block = rows_per_block(n_cols, block_size, dense, max_block_logits)
+    if block is None:
+        return DENSE_COPIES * n_rows * n_cols * element_size + (n_rows * n_cols if masked else 0)
+    return min(block, n_rows) * n_cols * (element_size + (1 if masked else 0))

@@ -227,6 +227,21 @@ class Matryoshka(nn.Module):
                 metrics[f"{key}@{d}"] = value
         return total, metrics
 
+    def memory_hint(self, rows: Mapping[str, int], dims: Mapping[str, int],
+                    tokens: Mapping[str, int] | None = None) -> int | None:
+        """Bytes the loss holds at its peak beyond its inputs and their gradients: every
+        width's truncated (and normalised) embeddings, kept for the one backward, and the
+        wrapped loss's ``memory_hint`` at the largest width; None (measure it) when the
+        wrapped loss has none. ``GradCache(chunk_size="auto")`` reads it."""
+        inner = getattr(self.loss, "memory_hint", None)
+        block = inner(rows, dims, tokens) if callable(inner) else None
+        if block is None:
+            return None
+        tokens = tokens or {}
+        cut = sum(2 * rows[k] * max(tokens.get(k, 0), 1) * d * 4
+                  for k in self.inputs if k in rows for d in self.dims)
+        return cut + int(block)
+
     # ------------------------------------------------------------------ forward
     def forward(self, **kwargs: Any) -> LossOutput:
         self._check_width(kwargs)

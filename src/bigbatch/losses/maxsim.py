@@ -35,7 +35,7 @@ score in place of the dot product.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,7 +45,7 @@ from torch.autograd.function import once_differentiable
 from ..engine.embeddings import TokenEmbeddings
 from ..errors import ConfigError, InputError, ShapeError
 from .base import LossOutput, PartialLoss, TemperatureLoss, ids_tensor
-from .layout import hard_negative_count
+from .layout import hard_negative_count, loss_block_bytes
 
 if TYPE_CHECKING:
     from ..engine.distributed import Gathered
@@ -224,6 +224,17 @@ class MaxSimInfoNCE(TemperatureLoss):
         self.normalize_query = normalize_query
         self.block_size = tuple(block_size) if pair else block_size
         self.max_block_elements = max_block_elements
+
+    def memory_hint(self, rows: Mapping[str, int], dims: Mapping[str, int] | None = None,
+                    tokens: Mapping[str, int] | None = None) -> int:
+        """Bytes the loss holds at its peak beyond its inputs and their gradients, for
+        ``rows`` queries and documents of ``tokens`` tokens each: one block of similarities,
+        twice (its backward's peak, see the module docstring), and the dense loss over the
+        ``B x N`` scores. ``GradCache(chunk_size="auto")`` reads it."""
+        b, n = rows["query"], rows["doc"]
+        tq, td = (tokens or {}).get("query", 1) or 1, (tokens or {}).get("doc", 1) or 1
+        bq, bd = block_shape(b, n, tq, td, self.block_size, self.max_block_elements)
+        return 2 * bq * bd * tq * td * 4 + loss_block_bytes(b, n, 0, masked=True)
 
     def scores(self, query: TokenEmbeddings, doc: TokenEmbeddings) -> Tensor:
         """The ``(queries, documents)`` MaxSim scores with this loss's options."""

@@ -4,7 +4,7 @@ loss, the optimizer and the GradCache engine with its towers and chunk sizes."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ..losses import CorpusInfoNCE, InfoNCE
 from ..losses.matryoshka import Matryoshka, check_dims
 from ..losses.maxsim import MaxSimInfoNCE
-from .config import TrainConfig
+from .config import AUTO, TrainConfig
 from .model_defaults import model_positions
 
 __all__ = ["AUTOCAST_DTYPES", "device_for", "build_encoder", "build_loss", "build_optimizer",
@@ -203,18 +203,25 @@ def build_deepspeed(config: TrainConfig, encoder: torch.nn.Module,
 
 
 def build_cache(config: TrainConfig, encoder: Any, loss_fn: torch.nn.Module, corpus: Any,
-                scaler: Any, device: torch.device, engine: Any = None) -> GradCache:
+                scaler: Any, device: torch.device, engine: Any = None,
+                size: Callable[[GradCache], Any] | None = None) -> GradCache:
     """The GradCache engine over the encoder's towers. Its chunk sizes (``chunk_sizes``,
     which the run reads afterwards) are decided here, once: ``--grad-cache-chunk`` for
     documents and ``--query-grad-cache-chunk`` (default: the same) for queries, each at most
-    ``--batch-size``; query-side tuning's direct backward is one query chunk. Query-side
-    tuning embeds documents with the frozen document tower, or with ``corpus`` takes no
-    document tower at all. With a DeepSpeed ``engine`` both towers call it, and DeepSpeed
-    reduces the model's gradients (:func:`bigbatch.integrations.deepspeed.deepspeed_cache`).
+    ``--batch-size``; ``auto`` ones by ``size(cache)``, which measures and chooses them
+    (:func:`bigbatch.train.memory_check.plan_run_chunks`); query-side tuning's direct
+    backward is one query chunk. Query-side tuning embeds documents with the frozen document
+    tower, or with ``corpus`` takes no document tower at all. With a DeepSpeed ``engine``
+    both towers call it, and DeepSpeed reduces the model's gradients
+    (:func:`bigbatch.integrations.deepspeed.deepspeed_cache`).
     """
     query_side = config.mode == "query-side-tune"
-    chunk = min(config.grad_cache_chunk, config.batch_size)
-    q_chunk = min(config.query_grad_cache_chunk or chunk, config.batch_size)
+
+    def at_most_batch(value: int | str) -> int | str:
+        return value if value == AUTO else min(value, config.batch_size)
+
+    chunk = at_most_batch(config.grad_cache_chunk)
+    q_chunk = at_most_batch(config.query_grad_cache_chunk or chunk)
     if query_side and config.query_side_backward == "direct":
         q_chunk = config.batch_size  # one chunk: its graph is kept, backward runs directly
     if corpus is not None:
@@ -238,7 +245,12 @@ def build_cache(config: TrainConfig, encoder: Any, loss_fn: torch.nn.Module, cor
     options = dict(collate_fn=collate, autocast_dtype=AUTOCAST_DTYPES[config.dtype],
                    scaler=scaler, device=device, sort_by_length=True,
                    cross_device=corpus is None, chunk_tokens=tokens)
-    if engine is not None:
+    if engine is not None:  # (auto sizes are refused with --deepspeed)
         from ..integrations.deepspeed import deepspeed_cache
         return deepspeed_cache(engine, loss_fn, chunks, towers=list(towers), **options)
-    return GradCache(towers, loss_fn, chunk_size=chunks, **options)
+    if config.auto_sizes:
+        options["memory_budget"] = config.memory_budget
+    cache = GradCache(towers, loss_fn, chunk_size=chunks, **options)
+    if config.auto_sizes and size is not None:
+        size(cache)
+    return cache

@@ -36,6 +36,9 @@ __all__ = ["TrainConfig", "load_config", "option", "parse_value", "SECTIONS", "D
            "comma_list"]
 
 DTYPES = ("float32", "bfloat16", "float16")
+AUTO = "auto"  # --grad-cache-chunk, --query-grad-cache-chunk, --grad-cache-tokens: sized for
+#                --memory-budget
+MIN_MEMORY_BUDGET = 2 ** 20  # bytes: a --memory-budget size below 1 MB is a mistake
 MAX_LOGIT_SCALE = 100.0  # the learnable temperature is clamped to [1 / this, 1] (LogitScale)
 ENCODERS = ("auto", "text", "vision-language")
 MODES = ("standard", "query-side-tune")
@@ -117,11 +120,15 @@ class TrainConfig:
         "--overwrite)"))
     batch_size: int = option(4, section="engine", help=(
         "queries per process per step (global batch = this x processes)"))
-    grad_cache_chunk: int = option(2, section="engine", help=(
-        "rows embedded at once (memory = this x per-example cost)"))
-    query_grad_cache_chunk: int | None = option(None, section="engine", help=(
-        "rows per GradCache chunk for the query tower (default: --grad-cache-chunk); text "
-        "queries are cheaper than page images"))
+    grad_cache_chunk: int | str = option("auto", section="engine", help=(
+        "rows embedded at once (memory = this x per-example cost), or auto: the largest chunk "
+        "whose step fits --memory-budget, from a probe of the data's longest texts, sized for "
+        "queries and documents each (at most --batch-size: then plain training, one pass); "
+        "the choice is checked after step 1 and lowered once if the step went over"))
+    query_grad_cache_chunk: int | str | None = option(None, section="engine", help=(
+        "rows per GradCache chunk for the query tower, or auto (default: --grad-cache-chunk; "
+        "with auto, queries are sized on their own); text queries are cheaper than page "
+        "images"))
     lr: float = option(2e-5, section="optimizer", help="peak learning rate (AdamW)")
     logit_scale_lr: float | None = option(None, section="optimizer", help=(
         "learning rate of the temperature (default: --lr)"))
@@ -157,10 +164,17 @@ class TrainConfig:
         "qq, dd or qq,dd: add the other queries (qq) and the positive's similarities to the "
         "other documents (dd) to each query's softmax denominator, as Qwen3-Embedding trains "
         "(default: none)"))
-    grad_cache_tokens: int | None = option(None, section="engine", help=(
+    grad_cache_tokens: int | str | None = option(None, section="engine", help=(
         "padded tokens per GradCache chunk at most: a chunk holds as many texts as fit "
         "(longest first), so mixed short and long texts keep one chunk's memory bounded; "
-        "--grad-cache-chunk still caps the rows (default: off, rows only)"))
+        "--grad-cache-chunk still caps the rows; auto: the largest token budget whose step "
+        "fits --memory-budget (default: off, rows only)"))
+    memory_budget: float | int = option(0.8, section="engine", help=(
+        "what one training step may hold at its peak, for --grad-cache-chunk auto and "
+        "--grad-cache-tokens auto: a fraction of the device's free memory when the run starts "
+        "(0.8) or a size (20GB, 512MB; 1GB = 1024 MB, as the start line counts); the "
+        "step's parts: cached embeddings and their gradients, parameter gradients, optimizer "
+        "states, one loss block and one chunk's activations"))
     num_hard_negatives: int = option(0, section="data", help=(
         "hard negatives per query (sampled per epoch when a record has more)"))
     lora_r: int = option(32, section="model", help="LoRA rank; 0 means full fine-tuning")
@@ -309,10 +323,10 @@ class TrainConfig:
                               "contrastors, swift or st layout, or st Parquet) or a BEIR "
                               "directory")
         self._validate_sources()
-        for name in ("batch_size", "grad_cache_chunk", "max_length", "eval_batch_size",
-                     "log_steps"):
+        for name in ("batch_size", "max_length", "eval_batch_size", "log_steps"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be > 0")
+        self._validate_sizes(bad)
         for name in ("warmup_steps", "eval_steps", "save_steps", "num_hard_negatives",
                      "lora_r", "lora_alpha"):
             if getattr(self, name) < 0:
@@ -321,8 +335,6 @@ class TrainConfig:
             raise bad("save_total_limit", "must be >= 1: the newest checkpoints kept (a run "
                                           "resumes from one); to keep every one, give at least "
                                           "the run's number of checkpoints")
-        if self.query_grad_cache_chunk is not None and self.query_grad_cache_chunk <= 0:
-            raise bad("query_grad_cache_chunk", "must be > 0")
         if self.loss_block_size is not None and self.loss_block_size < 0:
             raise bad("loss_block_size", "must be >= 0 (0: the dense loss; unset: automatic)")
         if self.max_steps <= 0 and not self.epochs:
@@ -384,6 +396,37 @@ class TrainConfig:
         key = id(self)  # remembered by identity: the config never changes
         _VALID[key] = weakref.ref(self, lambda _: _VALID.pop(key, None))
         return self
+
+    def _validate_sizes(self, bad: Any) -> None:
+        """The chunk sizes (a positive integer or auto), the token budget (unset, a positive
+        integer or auto) and the memory budget (a fraction in (0, 1] or at least 1 MB)."""
+        for name, what in (("grad_cache_chunk", "rows per chunk"),
+                           ("query_grad_cache_chunk", "rows per chunk"),
+                           ("grad_cache_tokens", "padded tokens per chunk")):
+            value = getattr(self, name)
+            if value is None and name != "grad_cache_chunk":
+                continue
+            if value != AUTO and not (isinstance(value, int) and not isinstance(value, bool)
+                                      and value > 0):
+                raise bad(name, f"must be > 0 ({what}) or {AUTO}")
+        budget = self.memory_budget
+        if isinstance(budget, bool) or not (
+                (isinstance(budget, float) and 0 < budget <= 1)
+                or (isinstance(budget, int) and budget >= MIN_MEMORY_BUDGET)):
+            raise bad("memory_budget", "must be a fraction of the free memory in (0, 1] "
+                                       "(0.8) or a size of 1 MB or more (20GB)")
+        if self.deepspeed and AUTO in (self.grad_cache_chunk, self.query_grad_cache_chunk,
+                                       self.grad_cache_tokens):
+            raise ConfigError("--deepspeed: auto chunk sizes come from a probe of the model, "
+                              "which DeepSpeed's engine holds; give --grad-cache-chunk N (and "
+                              "a number for --query-grad-cache-chunk and --grad-cache-tokens)")
+
+    @property
+    def auto_sizes(self) -> bool:
+        """Whether a chunk size or the token budget is ``auto`` (sized for
+        ``--memory-budget``)."""
+        return AUTO in (self.grad_cache_chunk, self.query_grad_cache_chunk,
+                        self.grad_cache_tokens)
 
     def checked(self) -> "TrainConfig":
         """The config, validated unless it already was: :func:`load_config` validates, and
@@ -529,8 +572,6 @@ class TrainConfig:
             if self.doc_negatives == "corpus":
                 raise bad("extra_negatives", "needs the batch's documents (not --doc-negatives "
                                              "corpus)")
-        if self.grad_cache_tokens is not None and self.grad_cache_tokens <= 0:
-            raise bad("grad_cache_tokens", "must be > 0 (padded tokens per chunk)")
 
     @property
     def full_finetune(self) -> bool:

@@ -19,6 +19,7 @@ step, writes its checkpoint on every rank together and raises :class:`RunPreempt
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -32,6 +33,7 @@ import torch
 from .._progress import progress_bar
 from ..encoders.source import model_identity
 from ..engine import distributed as D
+from ..engine.sizing import MiB, PeakMemory
 from ..errors import ConfigError
 from .build import (
     AUTOCAST_DTYPES,
@@ -60,7 +62,15 @@ from .corpus_negatives import FixedCorpus
 from .guide import Guide
 from .logging import RunLogger, eval_columns, format_eval_row, plot_metrics
 from .main_rank import barrier, from_main, gather_rng_states
-from .memory_check import check_fits, describe, estimate_run_step, free_memory
+from .memory_check import (
+    check_first_step,
+    check_fits,
+    describe,
+    describe_sizes,
+    estimate_run_step,
+    free_memory,
+    plan_run_chunks,
+)
 from .outdir import check_output_dir, claim_output_dir, remove_created, run_inputs
 from .preempt import PREEMPTED_EXIT, StopSignals
 from .resume import (
@@ -252,20 +262,37 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type) if amp is torch.float16 else None
         self.engine = build_deepspeed(config, self.encoder, self.model_params, self.max_steps,
                                       info.world_size) if config.deepspeed else None
+        self.chunk_plan = None  # --grad-cache-chunk auto: the sizes chosen for the budget
+        self.chunks_checked = False  # their first step measured (once a run, resumes too)
         self.cache = build_cache(config, self.encoder, self.loss_fn, self.corpus, self.scaler,
-                                 device, self.engine)
+                                 device, self.engine, size=self._size_chunks)
         train_data, num_records = data_identity(self.batches)
         self.state: dict[str, Any] = {
             "step": 0, "epoch": 0, "index": 0, "best": None, "best_step": None, "examples": 0,
             "base_metrics": None, "num_records": num_records, "train_data": train_data,
             "run_id": self.run_id, "sources": self.batches.start_positions(),
-            "mix": mix_state(self.batches), "base_model": model_identity(config.model)}
+            "mix": mix_state(self.batches), "base_model": model_identity(config.model),
+            "chunks": self._chunk_state()}
         self.logger: RunLogger | None = None
         self.bar: Any = None
         self.columns: list[str] | None = None  # of the evaluation rows printed
         self.last_metrics: dict[str, float] | None = None
         self.last_eval_step = -1
         self.step_checks = StepChecks(config.strict, warn=info.is_main)
+
+    def _size_chunks(self, cache: Any) -> None:
+        """``auto`` chunk sizes for ``--memory-budget`` (build_cache calls it, once)."""
+        self.chunk_plan = plan_run_chunks(cache, self.encoder, self.records, self.config,
+                                          self.info.world_size, self.model_params,
+                                          self.optimizer,
+                                          k=max(s.batches.k for s in self.sources))
+
+    def _chunk_state(self) -> dict[str, Any]:
+        """The chunk sizes the engine uses, as a checkpoint keeps them (a resumed ``auto``
+        run takes them again, so it resumes exactly)."""
+        return {"sizes": dict(self.cache.chunk_sizes), "tokens": dict(self.cache.chunk_tokens),
+                "plain": self.chunk_plan is not None and self.chunk_plan.plain,
+                "checked": self.chunks_checked}
 
     def iterate(self) -> Any:
         """The batches from the run's position on (each source's own, and the step that
@@ -336,6 +363,12 @@ class Trainer:
                                                             self.state["index"]]}
         self.state["mix"] = mix_state(self.batches)
         self.state["run_id"] = self.run_id
+        saved = self.state.get("chunks")
+        if self.chunk_plan is not None and saved:  # auto: the sizes the run had, not new ones
+            self.chunk_plan = self.chunk_plan.at(saved["sizes"], saved["tokens"], saved["plain"])
+            self.cache.use_plan(self.chunk_plan)
+            self.chunks_checked = bool(saved.get("checked"))
+        self.state["chunks"] = self._chunk_state()
         self._claim()
         if info.is_main:  # later checkpoints of the timeline left behind would outrank ours
             abandon_later_checkpoints(self.out, self.state["step"])
@@ -366,9 +399,12 @@ class Trainer:
                                 report_to=config.report_to, name=self.out.name,
                                 settings={**config.to_dict(), "run_id": self.run_id})
         # (under DeepSpeed the probe's backward would go through the engine: not estimated)
-        self.step_memory = None if self.engine is not None else estimate_run_step(
-            self.cache, self.encoder, self.records, config, self.device, info.world_size,
-            self.model_params, k=max(s.batches.k for s in self.sources))
+        if self.chunk_plan is not None:  # auto: the estimate the sizes were chosen by
+            self.step_memory = self.chunk_plan.memory
+        else:
+            self.step_memory = None if self.engine is not None else estimate_run_step(
+                self.cache, self.encoder, self.records, config, self.device, info.world_size,
+                self.model_params, k=max(s.batches.k for s in self.sources))
         if self.step_memory is not None:  # stop now, with the numbers, rather than at step 1
             check_fits(self.step_memory, free_memory(self.device), self.device)
         if info.is_main:
@@ -385,9 +421,8 @@ class Trainer:
     def _announcement(self) -> str:
         config, lora_r = self.config, self.lora_r
         n_train = sum(p.numel() for p in self.model_params)
-        sizes = self.cache.chunk_sizes  # as the engine uses them
-        q_chunk = sizes["query"]
-        chunk = sizes.get("doc", q_chunk)  # (corpus negatives: no document tower)
+        sizes = describe_sizes(self.chunk_plan, self.cache.chunk_sizes,  # as the engine
+                               self.cache.chunk_tokens)                  # uses them
         mix = "" if len(self.sources) == 1 else " (" + ", ".join(
             f"{s.name}: {len(s.records)} x {w:.0%}" for s, w in zip(self.sources,
                                                                     self.batches.weights)) + ")"
@@ -395,8 +430,7 @@ class Trainer:
         text = (f"bigbatch train: {len(self.records)} records{mix}, {len(self.batches)} "
                 f"steps/epoch, "
                 f"{self.max_steps} steps ({budget}), global batch {self.batches.global_batch} "
-                f"({self.info.world_size} process(es) x {config.batch_size}), chunk "
-                f"{chunk}{f' (queries {q_chunk})' if q_chunk != chunk else ''}, "
+                f"({self.info.world_size} process(es) x {config.batch_size}), {sizes}, "
                 f"k={'/'.join(str(s.batches.k) for s in self.sources)}, "
                 f"{'LoRA r=' + str(lora_r) if lora_r else 'full fine-tuning'} "
                 f"({n_train:,} trainable parameters), {self.encoder.encoder_type} encoder, "
@@ -513,8 +547,12 @@ class Trainer:
         if self.engine is not None:  # the replays' gradients reduced once, by DeepSpeed
             from ..integrations.deepspeed import deepspeed_step
             step = lambda **inputs: deepspeed_step(self.engine, self.cache, **inputs)  # noqa: E731
+        # the first step of an auto-sized run (not again on resume): its peak measured, to
+        # check the estimate
+        meter = PeakMemory(self.device) if self.chunk_plan is not None \
+            and not self.chunks_checked else contextlib.nullcontext()
         # the source's prompts while its inputs are tokenized, or collated and replayed
-        with encoder.using_prompts(**source.prompts):
+        with encoder.using_prompts(**source.prompts), meter:
             q = encoder.step_inputs(batch.queries, "query", max_length=config.query_max_length)
             if self.corpus is not None:
                 result = step(query=q, **self.corpus.targets(batch, self.device))
@@ -561,11 +599,32 @@ class Trainer:
             if len(self.sources) == 1 else self.state["step"] / len(self.batches)
         values.update(lr=lr, grad_norm=float(grad_norm), epoch=epoch,
                       examples_per_s=n / max(time.time() - t0, 1e-9))
+        if isinstance(meter, PeakMemory):
+            values.update(self._check_first_step(meter.peak))
         if len(self.sources) > 1:  # each source's curves: loss/<name>, accuracy/<name>, ...
             values["source"] = source.name
             for key in _PER_SOURCE:
                 if key in values:
                     values[f"{key}/{source.name}"] = values[key]
+        return values
+
+    def _check_first_step(self, peak: int | None) -> dict[str, float]:
+        """After the first step of an auto-sized run: say how its measured peak compares with
+        the estimate and the budget, and lower the chunks once, on every rank as the main
+        rank measured, when it went over (a resumed run keeps what its checkpoint says,
+        checked or lowered). Returns the values logged with the step."""
+        values = {"memory_estimate_mb": self.chunk_plan.memory.total / MiB}
+        if peak is not None:
+            values["memory_peak_mb"] = peak / MiB
+        text, lowered = check_first_step(self.chunk_plan, peak, self.optimizer)
+        text, lowered = from_main((text, lowered), self.info)
+        if self.info.is_main:
+            print(f"bigbatch train: {text}", flush=True)
+        self.chunks_checked = True
+        if lowered is not None:
+            self.chunk_plan = lowered
+            self.cache.use_plan(lowered)
+        self.state["chunks"] = self._chunk_state()
         return values
 
     def _push(self) -> dict[str, Any]:

@@ -1,14 +1,18 @@
-"""The memory guard rail of ``bigbatch train``: before the first step, estimate what one
-GradCache step will add (:func:`bigbatch.train.memory_estimate.estimate_step_memory`: the cached
-embeddings
-and their gradients, per-chunk random states, the parameters' gradients, one loss block, and
-one chunk's activations measured on a probe chunk of the training data), say so in the start
-line, and stop with the numbers and what to lower when the estimate exceeds the memory the
-device has free.
+"""The memory guard rail of ``bigbatch train``. With ``--grad-cache-chunk auto`` (the
+default) the chunks are sized for ``--memory-budget`` from a probe of the data's longest texts
+(:func:`plan_run_chunks`, the choice in :mod:`bigbatch.engine.sizing`); with a fixed chunk,
+before the first step, estimate what one GradCache step will add
+(:func:`bigbatch.train.memory_estimate.estimate_step_memory`: the cached embeddings and their
+gradients, per-chunk random states, the parameters' gradients, one loss block, and one
+chunk's activations measured on a probe chunk of the training data). Either way the start line
+says so, and the run stops with the numbers and what to lower when the estimate exceeds the
+memory the device has free.
 
-The probe runs the document tower once with gradients on the first ``--grad-cache-chunk``
-positives, under a forked random state (so the run's dropout draws are those it would have
-drawn without the probe: resuming and the demo's figures are unchanged), and keeps nothing.
+Every probe runs a tower with gradients under a forked random state (so the run's dropout
+draws are those it would have drawn without the probe: resuming and the demo's figures are
+unchanged), and keeps nothing. After the first step of an auto-sized run the step's measured
+peak is compared with the estimate (:func:`check_first_step`), and the chunks are lowered
+once when it went over the budget.
 """
 
 from __future__ import annotations
@@ -19,12 +23,107 @@ from typing import Any
 import torch
 
 from ..engine import chunking
+from ..engine.sizing import ChunkPlan, MiB, free_memory, optimizer_state_bytes
 from ..errors import ConfigError
 from .memory_estimate import StepMemory, activation_bytes, estimate_step_memory
 
-__all__ = ["estimate_run_step", "free_memory", "check_fits", "describe"]
+__all__ = ["estimate_run_step", "free_memory", "check_fits", "describe", "plan_run_chunks",
+           "probe_inputs", "check_first_step", "describe_sizes", "LONGEST_SCAN"]
 
-MiB = 2 ** 20
+LONGEST_SCAN = 20_000  # records whose texts are searched for the longest (evenly spread)
+_LONGEST_TOKENIZED = 8  # of those, the longest by characters are tokenized to find the widest
+
+
+def plan_run_chunks(cache: Any, encoder: Any, records: Sequence[Any], config: Any,
+                    world_size: int, trainable: list[torch.nn.Parameter],
+                    optimizer: torch.optim.Optimizer, k: int | None = None) -> ChunkPlan:
+    """Size the run's ``auto`` chunks for ``--memory-budget`` and use them
+    (:meth:`bigbatch.GradCache.plan_chunks`): each tower measured on rows as wide as the
+    data's longest text of its side (:func:`probe_inputs`), a step of ``--batch-size``
+    queries and ``(1 + k)`` documents per query, the trainable parameters' gradients and
+    AdamW's two states for each. Under torchrun every rank calls it and all take the
+    smallest sizes. ``k``: hard negatives per query (default ``--num-hard-negatives``).
+
+    Raises:
+        ConfigError: a budget that cannot hold one row per chunk, naming the smallest that can.
+    """
+    k = config.num_hard_negatives if k is None else k
+    rows = {name: config.batch_size * (1 if name == "query" else 1 + k) for name in cache.towers}
+    probe = {name: probe_inputs(encoder, records, name, config) for name in cache.towers}
+    params = sum(p.numel() * p.element_size() for p in trainable) + \
+        sum(p.numel() * p.element_size() for p in cache.loss_fn.parameters() if p.requires_grad)
+    return cache.plan_chunks(probe, rows=rows, budget=config.memory_budget,
+                             parameter_bytes=params,
+                             optimizer_bytes=optimizer_state_bytes(optimizer),
+                             world_size=world_size if cache.cross_device else 1,
+                             budget_name="--memory-budget")
+
+
+def probe_inputs(encoder: Any, records: Sequence[Any], side: str, config: Any,
+                 rows: int = 4) -> Any:
+    """``rows`` copies of the longest text of a side (queries; documents: positives and
+    negatives) among :data:`LONGEST_SCAN` records spread over the data, as the step
+    tokenizes it (cut at ``--max-length``, queries at ``--query-max-length``), so the probe's
+    width bounds every step's; documents that are not text (page images): the first ones."""
+    n = len(records)
+    step = max(1, n // LONGEST_SCAN)
+    picked = [records[i] for i in range(0, n, step)][:LONGEST_SCAN]
+    if side == "query":
+        items = [r.query for r in picked]
+    else:
+        items = [d for r in picked for d in (r.positive, *r.negatives)]
+    texts = [t for t in items if isinstance(t, str)]
+    max_length = config.query_max_length if side == "query" else None
+    if len(texts) < len(items):  # images: as they come
+        return encoder.step_inputs(items[:rows], side)
+    if encoder.collate_fns() is not None:  # collated chunk by chunk: the longest by characters
+        return encoder.step_inputs([max(texts, key=len)] * rows, side)
+    longest = sorted(texts, key=len, reverse=True)[:_LONGEST_TOKENIZED]
+    widths = encoder.step_inputs(longest, side, max_length=max_length)["attention_mask"].sum(1)
+    widest = longest[int(widths.argmax())]
+    return encoder.step_inputs([widest] * rows, side, max_length=max_length)
+
+
+def check_first_step(plan: ChunkPlan, peak: int | None, optimizer: torch.optim.Optimizer
+                     ) -> tuple[str, ChunkPlan | None]:
+    """After the first step: the step's measured peak (bytes above the memory before it, or
+    None where it cannot be measured) plus the optimizer's states as they now are, against
+    the plan's estimate and budget. Returns what the log says, and the lowered plan for the
+    next steps when the peak went over the budget (else None)."""
+    if peak is None:
+        return "the step's peak memory cannot be measured here", None
+    states = optimizer_state_bytes(optimizer)
+    measured = peak + states
+    text = (f"step 1 peaked at {measured / MiB:,.0f} MB (its own {peak / MiB:,.0f} MB and "
+            f"the optimizer's states {states / MiB:,.0f} MB) against an estimate of "
+            f"{plan.memory.total / MiB:,.0f} MB and a budget of {plan.budget / MiB:,.0f} MB")
+    if measured <= plan.budget:
+        return text, None
+    lowered = plan.lowered(measured)
+    return (f"{text}: over the budget, so the chunks are lowered for the next steps from "
+            f"{_sizes(plan)} to {_sizes(lowered)}"), lowered
+
+
+def describe_sizes(plan: ChunkPlan | None, sizes: dict[str, int], tokens: dict[str, int]
+                   ) -> str:
+    """The chunk sizes as the start line shows them: ``chunk 8 (queries 64)``, the token
+    budgets, plain training, and with ``plan`` the budget they were sized for."""
+    chunk = sizes.get("doc", sizes["query"])  # (corpus negatives: no document tower)
+    text = f"chunk {chunk}" + (f" (queries {sizes['query']})" if sizes["query"] != chunk else "")
+    if tokens:
+        tok = tokens.get("doc", tokens.get("query"))
+        text += f", {tok:,} tokens per chunk" + (
+            f" (queries {tokens['query']:,})" if tokens.get("query", tok) != tok else "")
+    if plan is None:
+        return text
+    if plan.plain:
+        text = f"chunk {chunk}: the whole batch in one pass (plain training)"
+    return f"{text}, sized for a memory budget of {plan.budget / MiB:,.0f} MB"
+
+
+def _sizes(plan: ChunkPlan) -> str:
+    return ", ".join(f"{name} {plan.tokens[name]:,} tokens" if name in plan.tokens
+                     else f"{name} {size}" for name, size in plan.sizes.items())
 
 
 def estimate_run_step(cache: Any, encoder: Any, records: Sequence[Any], config: Any,
@@ -62,29 +161,15 @@ def estimate_run_step(cache: Any, encoder: Any, records: Sequence[Any], config: 
                                 or None, dense=config.loss_block_size == 0, masked=True)
 
 
-def free_memory(device: torch.device) -> int | None:
-    """Bytes the device can still give: CUDA's free memory, or the host's available memory
-    (``MemAvailable``) for the CPU; None where it cannot be read."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def describe(estimate: StepMemory) -> str:
     """The estimate as the start line shows it."""
     mb = estimate.as_mb()
+    states = f", optimizer states {mb['optimizer_states']:,.0f} MB" \
+        if estimate.optimizer_states else ""
     return (f"step memory ~{mb['total']:,.0f} MB (estimate: cached embeddings and their "
             f"gradients {mb['embeddings'] + mb['embedding_grads']:,.0f} MB, parameter gradients "
-            f"{mb['parameter_grads']:,.0f} MB, one chunk {mb['chunk_activations']:,.0f} MB, "
-            f"one loss block {mb['loss_block']:,.0f} MB)")
+            f"{mb['parameter_grads']:,.0f} MB{states}, one chunk "
+            f"{mb['chunk_activations']:,.0f} MB, one loss block {mb['loss_block']:,.0f} MB)")
 
 
 def check_fits(estimate: StepMemory, free: int | None, device: torch.device) -> None:

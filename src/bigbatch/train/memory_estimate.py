@@ -15,58 +15,26 @@ kept for reuse) and nothing that grows faster with the batch:
   tensors instead.
 
 Everything here is arithmetic on sizes except :func:`activation_bytes`, which runs the
-given function once. The inputs are not counted: they exist before the step, and the engine
-takes each chunk from them as a view (or, with ``sort_by_length``, gathers it when it is
-embedded), never a copy of the whole batch.
+given function once. The inputs are not counted: they exist before the step, and the
+engine takes each chunk from them as a view (or, with ``sort_by_length``, gathers it when it
+is embedded), never a copy of the whole batch. :class:`StepMemory` and
+:func:`activation_bytes` live in :mod:`bigbatch.engine.sizing` (which sizes the chunks of
+``--grad-cache-chunk auto`` from them) and are named here too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Mapping
 
-import torch
-
-from ..losses.layout import MAX_BLOCK_LOGITS, rows_per_block
+from ..engine.sizing import (
+    CPU_RNG_STATE_BYTES,
+    DEVICE_RNG_STATE_BYTES,
+    StepMemory,
+    activation_bytes,
+)
+from ..losses.layout import MAX_BLOCK_LOGITS, loss_block_bytes
 
 __all__ = ["StepMemory", "estimate_step_memory", "activation_bytes", "CPU_RNG_STATE_BYTES"]
-
-CPU_RNG_STATE_BYTES = 5056
-"""Size of ``torch.get_rng_state()``: what each replayed chunk's CPU random state holds."""
-
-_DEVICE_RNG_STATE_BYTES = 16  # a CUDA (Philox) generator: seed and offset
-_DENSE_COPIES = 4  # B x N tensors alive in the dense loss's backward (similarities, logits,
-#                    their softmax, its gradient)
-
-
-@dataclass(frozen=True)
-class StepMemory:
-    """Bytes one step adds at its peak, by part (see the module docstring)."""
-
-    embeddings: int
-    embedding_grads: int
-    rng_states: int
-    parameter_grads: int
-    chunk_activations: int
-    loss_block: int
-
-    @property
-    def floor(self) -> int:
-        """What grows with the batch and cannot be avoided (embeddings, their gradients,
-        random states), plus the parameters' gradients."""
-        return self.embeddings + self.embedding_grads + self.rng_states + self.parameter_grads
-
-    @property
-    def total(self) -> int:
-        """The estimated peak: the floor plus one chunk's activations and one loss block."""
-        return self.floor + self.chunk_activations + self.loss_block
-
-    def as_mb(self) -> dict[str, float]:
-        """Every part, the floor and the total in MiB."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out |= {"floor": self.floor, "total": self.total}
-        return {k: v / 2 ** 20 for k, v in out.items()}
 
 
 def estimate_step_memory(rows: Mapping[str, int], dims: int | Mapping[str, int], *,
@@ -101,44 +69,11 @@ def estimate_step_memory(rows: Mapping[str, int], dims: int | Mapping[str, int],
     chunk = {n: chunk_size[n] if isinstance(chunk_size, Mapping) else chunk_size for n in names}
     emb = sum(rows[n] * dim[n] for n in names) * element_size
     chunks = sum(-(-rows[n] // chunk[n]) for n in names) - 1
-    rng = max(chunks, 0) * (CPU_RNG_STATE_BYTES + accelerators * _DEVICE_RNG_STATE_BYTES)
+    rng = max(chunks, 0) * (CPU_RNG_STATE_BYTES + accelerators * DEVICE_RNG_STATE_BYTES)
     b = rows[names[0]] if loss_rows is None else loss_rows
     n = rows[names[-1]] if loss_columns is None else loss_columns
-    block = rows_per_block(n, block_size, dense, max_block_logits)
-    if block is None:
-        loss = _DENSE_COPIES * b * n * element_size + (b * n if masked else 0)
-    else:
-        loss = min(block, b) * n * (element_size + (1 if masked else 0))
+    loss = loss_block_bytes(b, n, block_size, dense, max_block_logits, masked, element_size)
     return StepMemory(embeddings=emb, embedding_grads=emb, rng_states=rng,
                       parameter_grads=parameter_bytes, chunk_activations=chunk_activation_bytes,
                       loss_block=loss)
 
-
-def activation_bytes(fn: Callable[[], Any], params: Iterable[torch.Tensor] = ()) -> int:
-    """Bytes of the tensors autograd keeps for the backward of ``fn()`` (e.g. a tower on a
-    probe chunk): run it once with gradients, count the memory the saved tensors span (a
-    storage saved several times, or through several views, is counted once; a view counts
-    only the part of its storage it reaches, so a probe chunk sliced from a large batch is
-    not charged for the batch), and drop the graph. Storages of ``params`` (the model's
-    parameters) are not counted: they exist anyway."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    spans: dict[int, list[tuple[int, int]]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip and t.numel():
-            reach = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-            lo = t.storage_offset() * t.element_size()
-            spans.setdefault(ptr, []).append((lo, lo + reach * t.element_size()))
-        return t
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    del out
-    total = 0
-    for parts in spans.values():  # the union of the byte ranges saved from each storage
-        end = -1
-        for lo, hi in sorted(parts):
-            total += max(0, hi - max(lo, end))
-            end = max(end, hi)
-    return total

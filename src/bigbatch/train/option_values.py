@@ -7,6 +7,7 @@ directory)."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from ..errors import ConfigError, shown
 
 __all__ = ["parse_typed", "PARSERS", "comma_list", "number_list", "key_lines", "PATH_KEYS",
-           "resolve_path"]
+           "resolve_path", "memory_size", "SIZE_UNITS"]
 
 
 def _bool(value: Any, what: str) -> bool:
@@ -43,6 +44,56 @@ def _float(value: Any, what: str) -> float:
         except ValueError:
             pass
     raise ConfigError(f"{what} must be a number, got {shown(value)}")
+
+
+def _int_or_auto(value: Any, what: str) -> int | str:
+    """A number of rows or tokens, or ``auto`` (sized for ``--memory-budget``)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{what} must be an integer or auto, got {value!r}")
+
+
+# a size's unit -> bytes: binary, as the memory the start line reports (1 GB = 1024 MB)
+SIZE_UNITS = {"": 1, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(%|[kmgt]?i?b?)\s*$", re.IGNORECASE)
+
+
+def memory_size(value: Any, what: str) -> float | int:
+    """A memory budget: a fraction of the free memory (a number in (0, 1], or a percentage
+    ``80%``) as a float, or a size (``20GB``, ``512MB``, ``1.5GiB``, bytes without a unit) as
+    an int of bytes; units are binary (``GB`` and ``GiB`` both 2**30 bytes).
+
+    Raises:
+        ConfigError: anything else, naming ``what``.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} must be a fraction (0.8) or a size (20GB), got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    elif isinstance(value, str) and (m := _SIZE.match(value)):
+        number, unit = float(m.group(1)), m.group(2).lower()
+    else:
+        raise ConfigError(f"{what} must be a fraction of the free memory (0.8) or a size "
+                          f"(20GB, 512MB), got {value!r}")
+    if unit == "%":
+        number, unit = number / 100, ""
+    if not unit and number <= 1:
+        if number <= 0:
+            raise ConfigError(f"{what}: a fraction of the free memory must be > 0, got "
+                              f"{value!r}")
+        return number
+    size = int(number * SIZE_UNITS[unit.rstrip("ib")[:1]])
+    if size < 2 ** 20:
+        raise ConfigError(f"{what}: {value!r} is less than 1 MB; give a fraction of the free "
+                          f"memory (0.8) or a size with its unit (20GB, 512MB)")
+    return size
 
 
 def _str(value: Any, what: str) -> str:
@@ -99,6 +150,8 @@ PARSERS: dict[tuple[Any, ...], Callable[[Any, str], Any]] = {
     (list[int],): lambda v, what: number_list(v, int, what),
     (list[float],): lambda v, what: number_list(v, float, what),
     (list[str],): _strings, (str, list): _sources,
+    (int, str): _int_or_auto,  # a chunk size or token budget, or auto
+    (float, int): memory_size,  # --memory-budget: a fraction or a size
 }
 
 
