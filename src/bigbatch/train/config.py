@@ -36,6 +36,7 @@ __all__ = ["TrainConfig", "load_config", "option", "parse_value", "SECTIONS", "D
            "comma_list"]
 
 DTYPES = ("float32", "bfloat16", "float16")
+FSDP_DTYPES = ("float32", "bfloat16")  # --dtype under --fsdp
 MAX_LOGIT_SCALE = 100.0  # the learnable temperature is clamped to [1 / this, 1] (LogitScale)
 ENCODERS = ("auto", "text", "vision-language")
 MODES = ("standard", "query-side-tune")
@@ -275,6 +276,15 @@ class TrainConfig:
         "a DeepSpeed JSON configuration: train under ZeRO stage 1 or 2, the chunks' gradients "
         "reduced once per step (no optimizer, scheduler, fp16 or bf16 section: bigbatch sets "
         "them; see docs/guides/deepspeed-and-reporting.md) (default: none, plain torch)"))
+    fsdp: bool = option(False, section="engine", help=(
+        "shard the model's weights, gradients and optimizer states over the torchrun "
+        "processes (FSDP2: each transformer block and the model one unit, one "
+        "reduce-scatter per step); checkpoints are written sharded by every process, final/ "
+        "and best/ whole (see docs/guides/distributed.md)"))
+    fsdp_cpu_offload: bool = option(False, section="engine", help=(
+        "with --fsdp: keep the shards, their gradients and the optimizer states in host "
+        "memory (the optimizer steps on the CPU; slower, for models whose states do not fit "
+        "the GPUs)"))
     report_to: list[str] = option(section="run", factory=lambda: ["tensorboard"], help=(
         "where metrics go besides metrics.jsonl: comma-separated tensorboard, wandb (offline "
         "with WANDB_MODE=offline), or none (default: tensorboard, when the tensorboard "
@@ -370,6 +380,7 @@ class TrainConfig:
         self._validate_reporting(bad)
         if self.deepspeed:
             self._validate_deepspeed(bad)
+        self._validate_fsdp(bad)
         key = id(self)  # remembered by identity: the config never changes
         _VALID[key] = weakref.ref(self, lambda _: _VALID.pop(key, None))
         return self
@@ -448,6 +459,21 @@ class TrainConfig:
             raise bad("resume", "resuming a --deepspeed run is not supported yet (its "
                                 "checkpoints hold the weights, not DeepSpeed's optimizer "
                                 "partitions); start from a checkpoint's weights with --model")
+
+    def _validate_fsdp(self, bad: Any) -> None:
+        """``--fsdp``: not with ``--deepspeed`` (both shard the model), in float32 or
+        bfloat16 (float16 needs a loss scaler over sharded gradients); the launch itself
+        (torchrun) is checked when the run starts (:mod:`bigbatch.train.sharding`)."""
+        if self.fsdp_cpu_offload and not self.fsdp:
+            raise bad("fsdp_cpu_offload", "offloads the shards of --fsdp; give --fsdp too")
+        if not self.fsdp:
+            return
+        if self.deepspeed:
+            raise bad("fsdp", "--fsdp and --deepspeed both shard the model; choose one "
+                              "(--fsdp: torch FSDP2; --deepspeed: a ZeRO configuration)")
+        if self.dtype not in FSDP_DTYPES:
+            raise bad("dtype", f"--fsdp runs {' or '.join(FSDP_DTYPES)} (float16 needs a loss "
+                               f"scaler over sharded gradients); use --dtype bfloat16")
 
     def train_sources(self) -> list[Any]:
         """The training sources ``--train-data`` names (:class:`~bigbatch.data.mix.SourceSpec`)."""

@@ -38,14 +38,12 @@ from .build import (
 )
 from .checkpoint import (
     abandon_later_checkpoints,
-    atomic_dir,
     finished_run,
     latest_checkpoint,
     load_checkpoint,
     recover_output_dir,
     rotate_checkpoints,
     save_checkpoint,
-    write_errors,
 )
 from .config import TrainConfig
 from .corpus_negatives import FixedCorpus
@@ -57,6 +55,13 @@ from .outdir import check_output_dir, claim_output_dir, remove_created
 from .resume import check_resume_matches, check_resumed_data, check_resumed_step, resume_path
 from .runid import new_run_id, run_id_of
 from .schedule import make_scheduler
+from .sharded_checkpoint import (
+    load_sharded_checkpoint,
+    resume_view,
+    save_sharded_checkpoint,
+    save_whole,
+)
+from .sharding import check_fsdp_launch, clip_gradients, local_shards, shard_encoder
 from .sources import ChainedRecords, data_identity, load_sources, mix_state
 
 __all__ = ["train", "Trainer", "StepCallback", "RunInterrupted", "base_beats_best"]
@@ -151,6 +156,8 @@ class Trainer:
 
         self.config = config = config.checked()
         self.info = info = D.init_distributed(timeout_s=config.dist_timeout)
+        if config.fsdp:  # torchrun's processes, a process group even for one
+            self.info = info = check_fsdp_launch(info)
         self.device = device = device_for(config, info)
         self.out = Path(config.output_dir)
         self.ckpt: Path | None = None
@@ -188,6 +195,8 @@ class Trainer:
         self.encoder = self._build_encoder()
         self.corpus = FixedCorpus(config, self.records, self.encoder, device, info) \
             if config.doc_negatives == "corpus" else None
+        if config.fsdp:  # before the optimizer: the parameters become shards
+            shard_encoder(self.encoder, device, config.dtype, config.fsdp_cpu_offload)
         self.loss_fn = build_loss(config, self.corpus, device)
         no_in_batch = [s.name for s in self.sources if not s.spec.in_batch_negatives]
         if no_in_batch and not hasattr(self.loss_fn, "in_batch_negatives"):
@@ -278,10 +287,11 @@ class Trainer:
             torch.manual_seed(config.seed + info.rank)  # each rank its own dropout stream
             return None
         ckpt = self.ckpt
-        check_resume_matches(ckpt, config, info)
-        self.state = load_checkpoint(ckpt, encoder=self.encoder, loss_fn=self.loss_fn,
-                                     optimizer=self.optimizer, scheduler=self.scheduler,
-                                     scaler=self.scaler, rank=info.rank)
+        check_resume_matches(ckpt, *resume_view(ckpt, config, info))
+        parts = dict(encoder=self.encoder, loss_fn=self.loss_fn, optimizer=self.optimizer,
+                     scheduler=self.scheduler, scaler=self.scaler)
+        self.state = load_sharded_checkpoint(ckpt, **parts, info=info, seed=config.seed) \
+            if config.fsdp else load_checkpoint(ckpt, **parts, rank=info.rank)
         train_data, num_records = data_identity(self.batches)
         check_resumed_data(ckpt, train_data, num_records, self.state, mix_state(self.batches))
         check_resumed_step(ckpt, self.state["step"], self.max_steps)
@@ -322,7 +332,7 @@ class Trainer:
         # (under DeepSpeed the probe's backward would go through the engine: not estimated)
         self.step_memory = None if self.engine is not None else estimate_run_step(
             self.cache, self.encoder, self.records, config, self.device, info.world_size,
-            self.model_params, k=max(s.batches.k for s in self.sources))
+            local_shards(self.model_params), k=max(s.batches.k for s in self.sources))
         if self.step_memory is not None:  # stop now, with the numbers, rather than at step 1
             check_fits(self.step_memory, free_memory(self.device), self.device)
         if info.is_main:
@@ -363,17 +373,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluate and save
     def evaluate(self, step: int) -> dict[str, float] | None:
-        """The main rank's retrieval metrics on ``--eval-data`` (logged and shown), the same
-        on every rank; None without evaluation data."""
+        """The retrieval metrics on ``--eval-data`` (logged and shown by the main rank), the
+        same on every rank; None without evaluation data. Under torchrun every rank embeds
+        its share of the texts (:mod:`bigbatch.retrieval.distributed_eval`)."""
+        from ..retrieval.distributed_eval import split_over_ranks
         from ..retrieval.evaluate import evaluate_sets
 
         config = self.config
         if not self.eval_sets:
             return None
-        metrics = None
+        metrics = evaluate_sets(split_over_ranks(self.encoder), self.eval_sets,
+                                config.eval_split, batch_size=config.eval_batch_size,
+                                device=self.device, progress=self.info.is_main)
         if self.info.is_main:
-            metrics = evaluate_sets(self.encoder, self.eval_sets, config.eval_split,
-                                    batch_size=config.eval_batch_size, device=self.device)
             self.logger.log(step, metrics, kind="eval")
             if self.columns is None:  # a header over the first row; each evaluation a row
                 self.columns = eval_columns(metrics, config.best_metric)
@@ -382,8 +394,15 @@ class Trainer:
         return from_main(metrics, self.info)  # every rank takes the same branches after it
 
     def save(self, path: Path) -> None:
-        """Write a checkpoint (every rank's random state; the main rank writes)."""
+        """Write a checkpoint (every rank's random state; the main rank writes, and under
+        --fsdp every rank its shards)."""
         states = gather_rng_states(self.info)
+        if self.config.fsdp:
+            save_sharded_checkpoint(path, encoder=self.encoder, loss_fn=self.loss_fn,
+                                    optimizer=self.optimizer, scheduler=self.scheduler,
+                                    scaler=self.scaler, state=dict(self.state),
+                                    config=self.config, rank_states=states, info=self.info)
+            return
         if self.info.is_main:
             save_checkpoint(path, encoder=self.encoder, loss_fn=self.loss_fn,
                             optimizer=self.optimizer, scheduler=self.scheduler,
@@ -487,10 +506,7 @@ class Trainer:
             clipped = list(self.loss_fn.parameters())  # the temperature, alone
         else:
             clipped = self.all_params
-        if config.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(clipped, config.max_grad_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in clipped if p.grad is not None])
+        norm = clip_gradients(clipped, config.max_grad_norm)  # (sharded or not)
         if self.engine is None:
             grad_norm = norm
         if scaler is not None:
@@ -581,11 +597,8 @@ class Trainer:
         config, info, out, state = self.config, self.info, self.out, self.state
         self.bar.close()
         self._save_step(state["step"])
-        if info.is_main:
-            with atomic_dir(out / "final") as tmp, \
-                    write_errors(out / "final", f"continue with --resume {out}"):
-                self.encoder.save(tmp, merge_lora=config.merge_lora)
-        barrier(info)
+        save_whole(self.encoder, out / "final", info, f"continue with --resume {out}",
+                   merge_lora=config.merge_lora)  # (a sharded model gathered first)
         if state["step"] >= self.max_steps and self.last_eval_step != state["step"]:
             self.last_metrics = self.evaluate(state["step"])
             if self.consider_best(self.last_metrics, state["step"]):  # the final checkpoint
