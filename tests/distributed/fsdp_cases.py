@@ -131,6 +131,10 @@ def worker(rank, world, port, out_path, paths):
     paths = json.loads(paths)
     cases = {f"steps_{name}": (lambda a=args: steps_case(paths["bert"], *a))
              for name, args in {"full": (False, False), "lora": (True, False),
-                                "full_gc": (False, True), "lora_gc": (True, True)}.items()}
+                                "lora_gc": (True, True)}.items()}
+    # a decoder (Qwen3: rotary positions, grouped-query attention) pooled by its last
+    # token, left padded, each text ending with the end-of-text token
+    cases["steps_qwen3_lora_last"] = lambda: steps_case(paths["qwen3"], True, False, "last")
+    cases["steps_qwen3_full_gc_last"] = lambda: steps_case(paths["qwen3"], False, True, "last")
     cases["eval"] = lambda: eval_case(paths["bert"], Path(paths["beir"]))
     run_cases(rank, world, port, out_path, cases, timeout_s=120)

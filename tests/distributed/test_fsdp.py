@@ -2,7 +2,8 @@
 block and at its root, trained 2 optimizer steps on each rank's half of the batch (both
 towers one module, AdamW, gradient clipping over sharded and plain parameters), equals the
 unsharded encoder on one process with the whole batch, full and LoRA, with and without
-gradient checkpointing, with one reduce-scatter per unit and step; the whole weights
+gradient checkpointing, a BERT and a Qwen3 decoder pooled by its last token, with one
+reduce-scatter per unit and step; the whole weights
 gathered to the main rank for saving are the reference's; evaluation split over the ranks
 gives one process's metrics. All cases run in one pair of spawned processes
 (fsdp_cases.py)."""
@@ -20,14 +21,19 @@ import fsdp_cases
 from dist_helpers import spawn_and_collect
 from pipeline_helpers import scifact_slice, tiny_bert
 
+from bigbatch.encoders.tiny import build_tiny_text
+
 TOL = 1e-10  # float64: relative, of the weights after 2 steps, and of the losses
-STEP_CASES = ["steps_full", "steps_lora", "steps_full_gc", "steps_lora_gc"]
+# full and LoRA, with and without gradient checkpointing (full with it on the decoder)
+STEP_CASES = ["steps_full", "steps_lora", "steps_lora_gc", "steps_qwen3_lora_last",
+              "steps_qwen3_full_gc_last"]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     paths = {"bert": str(tiny_bert(root / "bert", dropout=0.0)),
+             "qwen3": str(build_tiny_text(root / "qwen3")),
              "beir": str(scifact_slice(root / "sf", n_train=8, n_test=10, n_extra_docs=30))}
     return spawn_and_collect(fsdp_cases.worker, root / "results.json", json.dumps(paths))
 

@@ -223,3 +223,56 @@ def test_fsdp_without_torchrun_is_refused_before_anything_is_written(tmp_path, m
                                           "torchrun; start the run with `torchrun"):
         train(config)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_two_nodes_follow_one_process_and_only_the_global_main_rank_writes(runs):
+    """Two `torchrun --nnodes 2` launches of one process each (c10d rendezvous on
+    127.0.0.1): both processes are local rank 0 of their node, rank 0 of the whole run
+    alone prints and writes, and the run is the one-process run's."""
+    from dist_helpers import free_port
+
+    out = runs["root"] / "nodes"
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", BIGBATCH_NO_PROGRESS="1")
+    launches = [subprocess.Popen(
+        TORCHRUN[:-1] + ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                         "--rdzv-id", "two-nodes", "-m", "bigbatch.cli", "train",
+                         *runs["common"], "--batch-size", "8", "--fsdp", "--output-dir",
+                         str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for node in (0, 1)]
+    printed = [p.communicate(timeout=600) for p in launches]
+    for p, (stdout, stderr) in zip(launches, printed):
+        assert p.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    starts = [stdout.count("bigbatch train: 64 records") for stdout, _ in printed]
+    assert sorted(starts) == [0, 1]  # one of the two local ranks 0 is the global main rank
+    assert [r["step"] for r in rows(out)] == [1, 2]  # each row written once
+    for r2, r1 in zip(rows(out), rows(runs["one"])):
+        assert abs(r2["loss"] - r1["loss"]) <= 1e-5 * abs(r1["loss"])
+    assert max_diff(weights(out / "final"), weights(runs["one"] / "final")) <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_sharded_decoder_with_lora_follows_one_process(runs):
+    """The LLM-embedder path: a Qwen3 decoder pooled by its last token, LoRA (merged into
+    final/), gradient checkpointing, bfloat16 left out (float32 on CPU)."""
+    from sentence_transformers import SentenceTransformer
+
+    from bigbatch.encoders.tiny import build_tiny_text
+
+    qwen3 = build_tiny_text(runs["root"] / "qwen3")
+    common = ["--model", str(qwen3), "--train-data", str(runs["root"] / "sf"), *COMMON,
+              "--pooling", "last", "--lora-r", "4", "--lora-alpha", "8", "--merge-lora",
+              "--gradient-checkpointing", "--query-prefix", "Instruct: find it\nQuery: "]
+    run(TORCHRUN + ["--nproc_per_node=2", "-m", "bigbatch.cli"],
+        common + ["--batch-size", "8", "--fsdp"], runs["root"] / "q2")
+    run([sys.executable, "-m", "bigbatch.cli"], common + ["--batch-size", "16"],
+        runs["root"] / "q1")
+    for r2, r1 in zip(rows(runs["root"] / "q2"), rows(runs["root"] / "q1")):
+        assert abs(r2["loss"] - r1["loss"]) <= 1e-5 * abs(r1["loss"])
+    texts = ["cells divide", "x"]
+    got, want = (SentenceTransformer(str(runs["root"] / name / "final"), device="cpu").encode(
+        texts, prompt_name="query", convert_to_tensor=True) for name in ("q2", "q1"))
+    assert (got - want).abs().max().item() <= 1e-5

@@ -32,7 +32,7 @@ from .option_values import PATH_KEYS, comma_list, key_lines, number_list, parse_
 
 __all__ = ["TrainConfig", "load_config", "option", "parse_value", "SECTIONS", "DTYPES",
            "ENCODERS", "MODES", "POOLINGS", "SCHEDULERS", "QUERY_SIDE_BACKWARDS",
-           "DOC_NEGATIVES", "one_of", "option_type", "device_problem", "number_list",
+           "DOC_NEGATIVES", "ATTN_IMPLEMENTATIONS", "one_of", "option_type", "device_problem", "number_list",
            "comma_list"]
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -44,6 +44,7 @@ POOLINGS = ("mean", "cls", "last", "multivector")  # multivector: one vector per
 SCHEDULERS = ("cosine", "constant")
 QUERY_SIDE_BACKWARDS = ("direct", "gradcache")
 DOC_NEGATIVES = ("batch", "corpus")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")  # transformers' names
 
 # the groups `bigbatch train --help` lists the options in (flags and YAML keys stay flat)
 SECTIONS = {
@@ -191,6 +192,11 @@ class TrainConfig:
     exclude_instruction_from_pooling: bool = option(False, section="model", help=(
         "leave the query/document prefix's tokens out of mean pooling (GritLM, INSTRUCTOR): "
         "the model attends to the instruction, the embedding averages the text"))
+    attn_implementation: str | None = option(None, section="model", choices=ATTN_IMPLEMENTATIONS,
+                                             help=(
+        "transformers' attention implementation the model is loaded with: sdpa, eager, or "
+        "flash_attention_2 (needs the flash-attn package and a GPU) (default: transformers' "
+        "choice for the model)"))
     gradient_checkpointing: bool = option(False, section="model", help=(
         "recompute activations in the backward pass (less memory)"))
     encoder: str = option("auto", section="model", choices=ENCODERS, help=(
@@ -349,8 +355,9 @@ class TrainConfig:
         if self.max_grad_norm < 0:
             raise bad("max_grad_norm", "must be >= 0 (0 turns clipping off)")
         for f in dataclasses.fields(self):  # each option with choices (option(choices=...))
-            choices = f.metadata["choices"]
-            if choices is not None and getattr(self, f.name) not in choices:
+            choices, value = f.metadata["choices"], getattr(self, f.name)
+            if choices is not None and value not in choices and \
+                    (value is not None or f.default is not None):  # None: left out
                 raise bad(f.name, one_of(choices))
         self._validate_multivector(bad)
         self._validate_objectives(bad)

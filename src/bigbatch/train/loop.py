@@ -51,6 +51,7 @@ from .guide import Guide
 from .logging import RunLogger, eval_columns, format_eval_row, plot_metrics
 from .main_rank import barrier, from_main, gather_rng_states
 from .memory_check import check_fits, describe, estimate_run_step, free_memory
+from .model_memory import describe_model_memory, run_model_memory
 from .outdir import check_output_dir, claim_output_dir, remove_created
 from .resume import check_resume_matches, check_resumed_data, check_resumed_step, resume_path
 from .runid import new_run_id, run_id_of
@@ -365,6 +366,8 @@ class Trainer:
                 f"device {self.device}")
         if self.step_memory is not None:
             text += f", {describe(self.step_memory)}"
+        text += ", " + describe_model_memory(run_model_memory(
+            self.encoder, self.model_params, self.info.world_size, config.fsdp, config.dtype))
         if config.mode == "query-side-tune":
             corpus = f": {len(self.corpus.ids):,} documents" if self.corpus is not None else ""
             text += (f", query-side-tune ({config.query_side_backward} backward, "

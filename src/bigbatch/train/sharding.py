@@ -101,7 +101,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     for m in model.modules():
         if id(m) in inside:
             continue
-        if type(m).__name__ in names:
+        if any(c.__name__ in names for c in type(m).__mro__):  # (FSDP renames the class)
             found.append(m)
             inside.update(id(x) for x in m.modules())
     if not found:
