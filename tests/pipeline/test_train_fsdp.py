@@ -135,10 +135,10 @@ def test_sharded_resume_on_one_process_continues_resharded(runs):
     assert rows(out)[-1]["step"] == 2
 
 
-def _sharded_checkpoint(folder, world=2, batch_size=8, lora_r=0):
+def _sharded_checkpoint(folder, world=2, batch_size=8, lora_r=0, scheme="fsdp2"):
     folder.mkdir(parents=True)
     (folder / "sharding.json").write_text(json.dumps(
-        {"scheme": "fsdp2", "world_size": world, "model": "m", "lora_r": lora_r}))
+        {"scheme": scheme, "world_size": world, "model": "m", "lora_r": lora_r}))
     (folder / "config.yaml").write_text(f"batch_size: {batch_size}\n")
     return folder
 
@@ -148,6 +148,7 @@ class _Config:  # the options resume_view reads
     fsdp: bool = True
     batch_size: int = 8
     lora_r: int = 0
+    deepspeed: str | None = None
 
     @property
     def full_finetune(self):
@@ -187,12 +188,17 @@ def test_a_sharded_resume_of_another_scheme_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="written by a sharded .--fsdp. run; resume it with "
                                           "--fsdp under torchrun"):
         resume_view(ckpt, _config(fsdp=False), info)
-    with pytest.raises(ConfigError, match="LoRA rank 0, this run is fsdp2 with 8"):
+    with pytest.raises(ConfigError, match="fsdp2 run with LoRA rank 0, this run has 8"):
         resume_view(ckpt, _config(lora_r=8), info)
     whole = tmp_path / "whole"
     whole.mkdir()
-    with pytest.raises(ConfigError, match="written without --fsdp .whole weights."):
+    with pytest.raises(ConfigError, match="written by a run without --fsdp or --deepspeed "
+                                          ".whole weights.; resume it so"):
         resume_view(whole, _config(), info)
+    with pytest.raises(ConfigError, match="written by 2 process.es. under --deepspeed, this "
+                                          "run has 1"):
+        resume_view(_sharded_checkpoint(tmp_path / "ds", scheme="deepspeed"),
+                    _config(fsdp=False, deepspeed="ds.json"), WorldInfo(0, 1, 0))
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -204,12 +204,16 @@ def build_deepspeed(config: TrainConfig, encoder: torch.nn.Module,
     """``--deepspeed``: the DeepSpeed engine over the encoder, with AdamW over the model's
     trainable parameters and its warmup and schedule (stepped by ``engine.step()``); the
     temperature stays with the run's own optimizer (see
-    :mod:`bigbatch.integrations.deepspeed`)."""
-    from ..integrations.deepspeed import initialize, read_config
+    :mod:`bigbatch.integrations.deepspeed`). Under ZeRO-3 the encoder's frame for saving
+    whole weights is kept first (:func:`bigbatch.train.sharding.remember_whole`)."""
+    from ..integrations.deepspeed import initialize, read_config, zero_stage
     from .schedule import make_scheduler
+    from .sharding import remember_whole
 
     ds_config = read_config(config.deepspeed, batch_size=config.batch_size,
                             max_grad_norm=config.max_grad_norm, world_size=world_size)
+    if zero_stage(ds_config) == 3:  # partitioned by initialize: saved through a whole frame
+        remember_whole(encoder, D.world_info().is_main)
     optimizer = torch.optim.AdamW([{"params": model_params,
                                     "weight_decay": config.weight_decay}], lr=config.lr)
     scheduler = make_scheduler(optimizer, config.scheduler, config.warmup_steps, max_steps)

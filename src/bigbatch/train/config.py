@@ -279,9 +279,10 @@ class TrainConfig:
         "with --distill kl: temperature of the teacher softmax (default: --temperature, right "
         "for a bi-encoder's cosine scores; use 1 for cross-encoder logits)"))
     deepspeed: str | None = option(None, section="engine", help=(
-        "a DeepSpeed JSON configuration: train under ZeRO stage 1 or 2, the chunks' gradients "
-        "reduced once per step (no optimizer, scheduler, fp16 or bf16 section: bigbatch sets "
-        "them; see docs/guides/deepspeed-and-reporting.md) (default: none, plain torch)"))
+        "a DeepSpeed JSON configuration: train under ZeRO stage 1, 2 or 3, the chunks' "
+        "gradients reduced once per step (no optimizer, scheduler, fp16 or bf16 section: "
+        "bigbatch sets them; see docs/guides/deepspeed-and-reporting.md) (default: none, "
+        "plain torch)"))
     fsdp: bool = option(False, section="engine", help=(
         "shard the model's weights, gradients and optimizer states over the torchrun "
         "processes (FSDP2: each transformer block and the model one unit, one "
@@ -462,10 +463,6 @@ class TrainConfig:
         if self.dtype == "float16":
             raise bad("dtype", "float16 needs a loss scaler that --deepspeed does not run; use "
                                "bfloat16")
-        if self.resume:
-            raise bad("resume", "resuming a --deepspeed run is not supported yet (its "
-                                "checkpoints hold the weights, not DeepSpeed's optimizer "
-                                "partitions); start from a checkpoint's weights with --model")
 
     def _validate_fsdp(self, bad: Any) -> None:
         """``--fsdp``: not with ``--deepspeed`` (both shard the model), in float32 or

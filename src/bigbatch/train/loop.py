@@ -59,6 +59,7 @@ from .schedule import make_scheduler
 from .sharded_checkpoint import (
     load_sharded_checkpoint,
     resume_view,
+    run_scheme,
     save_sharded_checkpoint,
     save_whole,
 )
@@ -291,8 +292,9 @@ class Trainer:
         check_resume_matches(ckpt, *resume_view(ckpt, config, info))
         parts = dict(encoder=self.encoder, loss_fn=self.loss_fn, optimizer=self.optimizer,
                      scheduler=self.scheduler, scaler=self.scaler)
-        self.state = load_sharded_checkpoint(ckpt, **parts, info=info, seed=config.seed) \
-            if config.fsdp else load_checkpoint(ckpt, **parts, rank=info.rank)
+        self.state = load_sharded_checkpoint(ckpt, **parts, info=info, seed=config.seed,
+                                             engine=self.engine) \
+            if run_scheme(config) else load_checkpoint(ckpt, **parts, rank=info.rank)
         train_data, num_records = data_identity(self.batches)
         check_resumed_data(ckpt, train_data, num_records, self.state, mix_state(self.batches))
         check_resumed_step(ckpt, self.state["step"], self.max_steps)
@@ -348,7 +350,7 @@ class Trainer:
 
     def _announcement(self) -> str:
         config, lora_r = self.config, self.lora_r
-        n_train = sum(p.numel() for p in self.model_params)
+        n_train = sum(getattr(p, "ds_numel", p.numel()) for p in self.model_params)  # (ZeRO-3)
         sizes = self.cache.chunk_sizes  # as the engine uses them
         q_chunk = sizes["query"]
         chunk = sizes.get("doc", q_chunk)  # (corpus negatives: no document tower)
@@ -398,13 +400,14 @@ class Trainer:
 
     def save(self, path: Path) -> None:
         """Write a checkpoint (every rank's random state; the main rank writes, and under
-        --fsdp every rank its shards)."""
+        --fsdp or --deepspeed every rank its shards or partitions)."""
         states = gather_rng_states(self.info)
-        if self.config.fsdp:
+        if run_scheme(self.config):
             save_sharded_checkpoint(path, encoder=self.encoder, loss_fn=self.loss_fn,
                                     optimizer=self.optimizer, scheduler=self.scheduler,
                                     scaler=self.scaler, state=dict(self.state),
-                                    config=self.config, rank_states=states, info=self.info)
+                                    config=self.config, rank_states=states, info=self.info,
+                                    engine=self.engine)
             return
         if self.info.is_main:
             save_checkpoint(path, encoder=self.encoder, loss_fn=self.loss_fn,

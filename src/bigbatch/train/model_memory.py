@@ -50,7 +50,12 @@ class ModelMemory:
 def _bytes(params: Iterable[torch.Tensor], parts: int) -> int:
     """Bytes of ``params`` held by one of ``parts`` processes (each tensor split evenly,
     rounded up, as FSDP pads its shards)."""
-    return sum(-(-p.numel() // parts) * p.element_size() for p in params)
+    return sum(-(-_numel(p) // parts) * p.element_size() for p in params)
+
+
+def _numel(p: torch.Tensor) -> int:
+    """A parameter's whole size (a ZeRO-3 partitioned one keeps it in ``ds_numel``)."""
+    return int(getattr(p, "ds_numel", p.numel()))
 
 
 def model_memory(module: nn.Module, trainable: Sequence[nn.Parameter], *, processes: int = 1,
@@ -72,7 +77,7 @@ def model_memory(module: nn.Module, trainable: Sequence[nn.Parameter], *, proces
     params = list({id(p): p for p in module.parameters()}.values())
     gathered = 0
     if sharded and blocks:
-        sizes = sorted((sum(p.numel() * (compute_bytes or p.element_size())
+        sizes = sorted((sum(_numel(p) * (compute_bytes or p.element_size())
                             for p in b.parameters()) for b in blocks), reverse=True)
         gathered = sum(sizes[:2])  # the block computing and the next, prefetched
     return ModelMemory(weights=_bytes(params, parts), gradients=_bytes(trainable, parts),
@@ -82,12 +87,15 @@ def model_memory(module: nn.Module, trainable: Sequence[nn.Parameter], *, proces
 
 def run_model_memory(encoder: nn.Module, trainable: Sequence[nn.Parameter], processes: int,
                      fsdp: bool, dtype: str) -> ModelMemory:
-    """:func:`model_memory` of a run's encoder: sharded under ``--fsdp`` (its transformer
-    blocks gathered in ``--dtype``), else whole on every process."""
+    """:func:`model_memory` of a run's encoder: sharded under ``--fsdp`` or ZeRO-3 (its
+    transformer blocks gathered in ``--dtype``), else whole on every process (ZeRO 1 and 2's
+    partitions of gradients and optimizer states are not counted as such)."""
+    from ..integrations.deepspeed import is_partitioned
     from .sharding import transformer_blocks
 
-    blocks = transformer_blocks(encoder.model) if fsdp else ()
-    return model_memory(encoder, trainable, processes=processes, sharded=fsdp, blocks=blocks,
+    sharded = fsdp or is_partitioned(encoder)  # FSDP, or DeepSpeed ZeRO-3
+    blocks = transformer_blocks(encoder.model) if sharded else ()
+    return model_memory(encoder, trainable, processes=processes, sharded=sharded, blocks=blocks,
                         compute_bytes=2 if dtype in ("bfloat16", "float16") else None)
 
 

@@ -1,16 +1,20 @@
-"""Checkpoints of sharded runs (``--fsdp``), written by every process with
-``torch.distributed.checkpoint`` (DCP), and resumed on the same or another number of
-processes.
+"""Checkpoints of sharded runs, written by every process: ``--fsdp`` runs with
+``torch.distributed.checkpoint`` (DCP), resumed on the same or another number of processes;
+``--deepspeed`` runs (ZeRO 1, 2 or 3) with DeepSpeed's own ``save_checkpoint``, resumed on
+the same number.
 
 A sharded checkpoint holds what a whole one holds (see :mod:`bigbatch.train.checkpoint`),
-with the model's trainable weights and the optimizer's states in ``sharded/`` instead of
-``trainer_state.pt``:
+with the model's trainable weights and the optimizer's states in a folder every process
+writes its part of, instead of ``trainer_state.pt``:
 
-- ``sharded/``: DCP's files, one per process (its shards of the trainable weights and of
-  AdamW's states, and the temperature) and ``.metadata``; a resume on another number of
-  processes reads the slices it needs (resharding);
-- ``sharding.json``: the scheme (``fsdp2``), the number of processes that wrote it, the
-  model and the LoRA rank;
+- ``sharded/`` (``--fsdp``): DCP's files, one per process (its shards of the trainable
+  weights and of AdamW's states, and the temperature) and ``.metadata``; a resume on
+  another number of processes reads the slices it needs (resharding);
+- ``deepspeed/`` (``--deepspeed``): DeepSpeed's (the module's weights, each rank's
+  optimizer partition, the model's schedule); the temperature's optimizer and the loss's
+  state go to ``trainer_state.pt``;
+- ``sharding.json``: the scheme (``fsdp2`` or ``deepspeed``, with its ZeRO stage), the
+  number of processes that wrote it, the model and the LoRA rank;
 - ``model/``: the whole weights (or adapter) in the loadable layout, gathered to the main
   rank one tensor at a time (:func:`bigbatch.train.sharding.whole_on_main`);
 - ``trainer_state.pt`` (the schedule, the loss's state, the run's position), one random
@@ -41,16 +45,30 @@ from .main_rank import barrier, from_main
 from .runid import write_run_file
 from .sharding import whole_on_main
 
-__all__ = ["SHARDING_FILE", "is_sharded_checkpoint", "save_sharded_checkpoint",
+__all__ = ["SHARDING_FILE", "is_sharded_checkpoint", "run_scheme", "save_sharded_checkpoint",
            "load_sharded_checkpoint", "resume_view", "save_whole"]
 
 SHARDING_FILE = "sharding.json"
-_SCHEME = "fsdp2"
+_FSDP, _DEEPSPEED = "fsdp2", "deepspeed"
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a checkpoint a sharded run wrote."""
     return (Path(path) / SHARDING_FILE).is_file()
+
+
+def run_scheme(config: Any) -> str | None:
+    """How a run's checkpoints are written: ``fsdp2``, ``deepspeed``, or None (whole)."""
+    return _FSDP if config.fsdp else _DEEPSPEED if getattr(config, "deepspeed", None) else None
+
+
+# what a resume of a checkpoint of one scheme (the key) by a run of another is told
+_HOW = {_FSDP: "a sharded (--fsdp) run; resume it with --fsdp under torchrun (any number "
+               "of processes with the same global batch)",
+        _DEEPSPEED: "a --deepspeed run; resume it with --deepspeed (the same ZeRO "
+                    "configuration and number of processes)",
+        None: "a run without --fsdp or --deepspeed (whole weights); resume it so, or start "
+              "a new run from its weights with --model {model}"}
 
 
 def _saved_world(ckpt: Path) -> dict[str, Any]:
@@ -73,26 +91,25 @@ def resume_view(ckpt: Path, config: Any, info: D.WorldInfo) -> tuple[Any, D.Worl
         ConfigError: a sharded checkpoint without ``--fsdp`` or a whole one with it, another
             LoRA rank, or another global batch on another number of processes.
     """
-    sharded = is_sharded_checkpoint(ckpt)
-    if sharded != bool(config.fsdp):
-        if sharded:
-            raise ConfigError(f"--resume: {ckpt} was written by a sharded (--fsdp) run; "
-                              f"resume it with --fsdp under torchrun (any number of "
-                              f"processes with the same global batch)")
-        raise ConfigError(f"--resume: {ckpt} was written without --fsdp (whole weights); "
-                          f"resume it without --fsdp, or start a sharded run from its "
-                          f"weights with --model {ckpt / 'model'}")
-    if not sharded:
+    saved = _saved_world(ckpt) if is_sharded_checkpoint(ckpt) else {"scheme": None}
+    scheme = run_scheme(config)
+    if saved.get("scheme") != scheme:
+        raise ConfigError(f"--resume: {ckpt} was written by "
+                          + _HOW[saved.get("scheme")].format(model=ckpt / "model"))
+    if scheme is None:
         return config, info
-    saved = _saved_world(ckpt)
     lora = 0 if config.full_finetune else config.lora_r
-    if saved.get("scheme") != _SCHEME or saved.get("lora_r") != lora:
-        raise ConfigError(f"--resume: {ckpt} was written by a {saved.get('scheme')} run with "
-                          f"LoRA rank {saved.get('lora_r')}, this run is {_SCHEME} with "
-                          f"{lora}; resume with the same model settings")
+    if saved.get("lora_r") != lora:
+        raise ConfigError(f"--resume: {ckpt} was written by a {scheme} run with LoRA rank "
+                          f"{saved.get('lora_r')}, this run has {lora}; resume with the same "
+                          f"model settings")
     world = int(saved["world_size"])
     if world == info.world_size:
         return config, info
+    if scheme == _DEEPSPEED:
+        raise ConfigError(f"--resume: {ckpt} was written by {world} process(es) under "
+                          f"--deepspeed, this run has {info.world_size}; DeepSpeed's "
+                          f"optimizer partitions resume on the same number of processes")
     import dataclasses
 
     import yaml
@@ -138,9 +155,11 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 def save_sharded_checkpoint(path: str | Path, *, encoder: nn.Module, loss_fn: nn.Module,
                             optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
                             state: dict[str, Any], config: Any,
-                            rank_states: list[dict[str, Any]], info: D.WorldInfo) -> Path:
+                            rank_states: list[dict[str, Any]], info: D.WorldInfo,
+                            engine: Any = None) -> Path:
     """Write a sharded checkpoint atomically; every process calls it (see the module
-    docstring).
+    docstring). ``engine``: the run's DeepSpeed engine (``--deepspeed``), else the model is
+    FSDP's.
 
     Raises:
         OutputError: a file could not be written (a full disk); the previous checkpoint of
@@ -152,18 +171,27 @@ def save_sharded_checkpoint(path: str | Path, *, encoder: nn.Module, loss_fn: nn
     hint = f"continue with --resume {path.parent}"
     with atomic_dir(path) if info.is_main else contextlib.nullcontext() as tmp:
         tmp = Path(from_main(str(tmp) if tmp is not None else None, info))
-        with write_errors(path / "sharded", hint):
-            dcp.save(_dcp_state(_container(encoder, loss_fn), optimizer),
-                     checkpoint_id=str(tmp / "sharded"))
+        if engine is not None:
+            from ..integrations.deepspeed import save_engine_state
+
+            with write_errors(path / "deepspeed", hint):
+                save_engine_state(engine, tmp / "deepspeed")
+        else:
+            with write_errors(path / "sharded", hint):
+                dcp.save(_dcp_state(_container(encoder, loss_fn), optimizer),
+                         checkpoint_id=str(tmp / "sharded"))
         with whole_on_main(encoder, info) as whole:
             if whole is not None:
                 with write_errors(path / "model", hint):
                     whole.save(tmp / "model")
         if info.is_main:
+            # (DeepSpeed: the run's own optimizer steps the temperature alone)
+            own = {"optimizer": optimizer.state_dict(), "loss_fn": loss_fn.state_dict()} \
+                if engine is not None else {}
             with write_errors(path / "trainer_state.pt", hint):
                 torch.save({"scheduler": scheduler.state_dict(),
                             "scaler": scaler.state_dict() if scaler is not None else None,
-                            "state": state}, tmp / "trainer_state.pt")
+                            "state": state, **own}, tmp / "trainer_state.pt")
             for r, s in enumerate(rank_states):
                 with write_errors(path / f"rng_state_rank{r}.pt", hint):
                     torch.save(s, tmp / f"rng_state_rank{r}.pt")
@@ -172,8 +200,11 @@ def save_sharded_checkpoint(path: str | Path, *, encoder: nn.Module, loss_fn: nn
                 if state.get("run_id"):
                     write_run_file(tmp, state["run_id"], step=state.get("step"))
                 lora = 0 if config.full_finetune else config.lora_r
+                scheme = {"scheme": run_scheme(config)}
+                if engine is not None:
+                    scheme["zero_stage"] = int(engine.zero_optimization_stage())
                 (tmp / SHARDING_FILE).write_text(json.dumps(
-                    {"scheme": _SCHEME, "world_size": info.world_size, "model": config.model,
+                    {**scheme, "world_size": info.world_size, "model": config.model,
                      "lora_r": lora}, indent=2))
         barrier(info)  # every part written before the main rank renames the folder
     return path
@@ -181,29 +212,53 @@ def save_sharded_checkpoint(path: str | Path, *, encoder: nn.Module, loss_fn: nn
 
 def load_sharded_checkpoint(path: str | Path, *, encoder: nn.Module, loss_fn: nn.Module,
                             optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
-                            info: D.WorldInfo, seed: int) -> dict[str, Any]:
+                            info: D.WorldInfo, seed: int, engine: Any = None) -> dict[str, Any]:
     """Restore what :func:`save_sharded_checkpoint` wrote (every process calls it); on
-    another number of processes the shards are read resharded and each process's random
-    state starts afresh from ``seed``, its rank and the step. Returns the saved state.
+    another number of processes (FSDP) the shards are read resharded and each process's
+    random state starts afresh from ``seed``, its rank and the step. Returns the saved
+    state.
 
     Raises:
         ConfigError: not a sharded checkpoint, or one of another model.
     """
+    path = Path(path)
+    if not (path / "trainer_state.pt").exists() or not is_sharded_checkpoint(path):
+        raise ConfigError(f"--resume: {path} is not a sharded bigbatch checkpoint")
+    blob = safe_load(path / "trainer_state.pt")
+    if engine is not None:
+        from ..integrations.deepspeed import load_engine_state
+
+        load_engine_state(engine, path / "deepspeed")
+        optimizer.load_state_dict(blob["optimizer"])
+        loss_fn.load_state_dict(blob["loss_fn"])
+    else:
+        _load_dcp(path, _container(encoder, loss_fn), optimizer)
+    scheduler.load_state_dict(blob["scheduler"])
+    if scaler is not None and blob.get("scaler") is not None:
+        scaler.load_state_dict(blob["scaler"])
+    state = blob["state"]
+    world = int(_saved_world(path)["world_size"])
+    if world == info.world_size:
+        set_rng_state(safe_load(path / f"rng_state_rank{info.rank}.pt"))
+    else:  # resharded: no saved stream belongs to this process
+        fresh = seed * 1_000_003 + int(state["step"]) * 1_009 + info.rank
+        random.seed(fresh)
+        torch.manual_seed(fresh)
+    return state
+
+
+def _load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The trainable weights and the optimizer's states from ``path/sharded``, resharded to
+    this run's processes as needed."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    path = Path(path)
-    if not (path / "trainer_state.pt").exists() or not is_sharded_checkpoint(path):
-        raise ConfigError(f"--resume: {path} is not a sharded bigbatch checkpoint")
-    blob = safe_load(path / "trainer_state.pt")
-    model = _container(encoder, loss_fn)
     target = _dcp_state(model, optimizer)
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         saved = set(dcp.FileSystemReader(str(path / "sharded")).read_metadata()
                     .state_dict_metadata)
@@ -220,18 +275,6 @@ def load_sharded_checkpoint(path: str | Path, *, encoder: nn.Module, loss_fn: nn
     set_model_state_dict(model, target["model"], options=options)
     set_optimizer_state_dict(model, optimizer, target["optimizer"],  # (states left out above)
                              options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    scheduler.load_state_dict(blob["scheduler"])
-    if scaler is not None and blob.get("scaler") is not None:
-        scaler.load_state_dict(blob["scaler"])
-    state = blob["state"]
-    world = int(_saved_world(path)["world_size"])
-    if world == info.world_size:
-        set_rng_state(safe_load(path / f"rng_state_rank{info.rank}.pt"))
-    else:  # resharded: no saved stream belongs to this process
-        fresh = seed * 1_000_003 + int(state["step"]) * 1_009 + info.rank
-        random.seed(fresh)
-        torch.manual_seed(fresh)
-    return state
 
 
 def save_whole(encoder: nn.Module, path: str | Path, info: D.WorldInfo, hint: str,
