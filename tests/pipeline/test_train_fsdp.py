@@ -282,3 +282,29 @@ def test_a_sharded_decoder_with_lora_follows_one_process(runs):
     got, want = (SentenceTransformer(str(runs["root"] / name / "final"), device="cpu").encode(
         texts, prompt_name="query", convert_to_tensor=True) for name in ("q2", "q1"))
     assert (got - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_sharded_vision_language_model_follows_one_process(runs):
+    """A tiny Qwen3-VL with LoRA on page images, evaluated on a page corpus: its vision
+    tower stays in the root unit (text queries and page documents make the same
+    collectives on every rank)."""
+    from bigbatch.data.tools.pages import render_beir_pages
+    from bigbatch.encoders.tiny import build_tiny_vl
+
+    root = runs["root"]
+    pages = root / "pages"
+    render_beir_pages(scifact_slice(root / "vl_src", n_train=16, n_test=6, n_extra_docs=10),
+                      pages, num_negatives=1, size=(224, 224), font_size=9, progress=False)
+    model = build_tiny_vl(root / "qwen3_vl", "qwen3_vl")
+    common = ["--model", str(model), "--train-data", str(pages / "train.jsonl"), *COMMON,
+              "--max-length", "32", "--max-num-visual-tokens", "16", "--lora-r", "4",
+              "--lora-alpha", "8", "--grad-cache-chunk", "2", "--eval-data", str(pages),
+              "--eval-batch-size", "8"]
+    run(TORCHRUN + ["--nproc_per_node=2", "-m", "bigbatch.cli"],
+        common + ["--batch-size", "4", "--fsdp"], root / "vl2")
+    run([sys.executable, "-m", "bigbatch.cli"], common + ["--batch-size", "8"], root / "vl1")
+    for r2, r1 in zip(rows(root / "vl2"), rows(root / "vl1")):
+        assert abs(r2["loss"] - r1["loss"]) <= 1e-5 * abs(r1["loss"])
+    (e2,), (e1,) = rows(root / "vl2", "eval"), rows(root / "vl1", "eval")
+    assert abs(e2["ndcg@10"] - e1["ndcg@10"]) <= 1e-6

@@ -122,9 +122,9 @@ class MultiVectorTextEncoder(TextEncoder):
         attend_to_expansion: let every query token attend to the expansion tokens.
         skiplist: words of documents masked when they are one token (None: punctuation).
         projection_bias: the projection has a bias (PyLate: no).
-        lora_r, lora_alpha, lora_dropout, lora_target_modules, gradient_checkpointing, dtype,
-        attn_implementation:
+        lora_r, lora_alpha, lora_dropout, lora_target_modules, gradient_checkpointing, dtype:
             as for :class:`~bigbatch.encoders.TextEncoder`; the projection always trains.
+        attn_implementation: as for :class:`~bigbatch.encoders.TextEncoder`.
         pooling: only ``"multivector"`` (the saved settings name it).
 
     Raises:

@@ -149,7 +149,8 @@ def train(config: TrainConfig, on_step_end: StepCallback | None = None) -> dict[
 class Trainer:
     """One training run: its parts (built from the configuration), its state (step, data
     position, best metric) and its phases. Every rank builds one and takes the same
-    branches; the main rank alone evaluates, logs and writes files while the others wait.
+    branches; every rank evaluates its share, the main rank alone logs and writes files
+    (under --fsdp and --deepspeed every rank writes its part of each checkpoint).
     """
 
     # ------------------------------------------------------------------ build

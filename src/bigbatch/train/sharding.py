@@ -5,7 +5,9 @@ parameters.
 What is sharded. Every transformer block of the model (the module classes the model names
 in its ``_no_split_modules``, as Hugging Face's device maps and accelerate's FSDP wrapping
 use them) is one FSDP unit, and the model itself (embeddings, final norm, whatever no block
-holds) is the root unit. With LoRA the base weights are sharded and frozen, the adapters
+holds) is the root unit. A vision-language model's vision tower stays in the root unit:
+it runs only for batches with images, and units of its own would make collectives that a
+text-only batch on another rank does not. With LoRA the base weights are sharded and frozen, the adapters
 sharded and trained. Query-side tuning's frozen document copy (full fine-tuning) is sharded
 the same way, as a root of its own; with LoRA the frozen tower is the model with its
 adapter disabled, so nothing more is held. Parameters outside the model (a multi-vector
@@ -83,10 +85,16 @@ def _base_model(model: nn.Module) -> nn.Module:
     return get() if callable(get) else model
 
 
+# submodules whose blocks stay in the root unit: a vision tower runs only for batches with
+# images, so its own units would make collectives that a text-only batch on another rank
+# does not (the whole tower is gathered with the root instead; it is frozen by default)
+_VISION_TOWERS = ("visual", "vision_tower", "vision_model")
+
+
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's transformer blocks, outermost first: the modules whose class the model
     names in ``_no_split_modules`` (Hugging Face's unit of device placement), not counting
-    a block inside another.
+    a block inside another, nor a vision tower's (which stays with the root).
 
     Raises:
         ConfigError: the model names no block classes, or none is found in it.
@@ -98,8 +106,11 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
                           f"(_no_split_modules), so they cannot be sharded one by one")
     found: list[nn.Module] = []
     inside: set[int] = set()
-    for m in model.modules():
+    for name, m in model.named_modules():
         if id(m) in inside:
+            continue
+        if name.rsplit(".", 1)[-1] in _VISION_TOWERS:
+            inside.update(id(x) for x in m.modules())
             continue
         if any(c.__name__ in names for c in type(m).__mro__):  # (FSDP renames the class)
             found.append(m)
