@@ -38,7 +38,6 @@ def test_completed_from_the_runs_options(tmp_path):
     ({"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR"}}, "'scheduler'"),
     ({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, "fp16.enabled"),
     ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, "--dtype bfloat16"),
-    ({"zero_optimization": {"stage": 3}}, "stage is 3"),
     ({}, "stage is 0"),
     ({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4},
      "gradient_accumulation_steps is 4"),
@@ -66,10 +65,24 @@ def test_train_options_it_cannot_run_with(tmp_path):
 
     tiny, data = tiny_bert(tmp_path / "tiny"), scifact_slice(tmp_path / "sf")
     ds = write(tmp_path, {"zero_optimization": {"stage": 2}})
-    base = dict(model=str(tiny), train_data=str(data), deepspeed=ds)
+    base = dict(model=str(tiny), train_data=str(data), deepspeed=ds, grad_cache_chunk=4)
     TrainConfig(**base).validate()
     for extra, words in ((dict(mode="query-side-tune"), "--mode"),
+                         (dict(grad_cache_chunk="auto"), "auto chunk sizes come from a probe"),
                          (dict(dtype="float16"), "--dtype"),
-                         (dict(resume=str(tmp_path)), "--resume")):
+                         (dict(fsdp=True), "--fsdp and --deepspeed")):
         with pytest.raises(ConfigError, match=words):
-            TrainConfig(**base, **extra).validate()
+            TrainConfig(**{**base, **extra}).validate()
+
+
+def test_zero3_is_a_training_stage(tmp_path):
+    """ZeRO-3 runs through bigbatch train (evaluation on every rank, weights gathered a
+    parameter at a time for saving), and a --deepspeed run may be resumed."""
+    from pipeline_helpers import scifact_slice, tiny_bert
+
+    cfg = read_config(write(tmp_path, {"zero_optimization": {"stage": 3}}), batch_size=8,
+                      max_grad_norm=1.0)
+    assert cfg["zero_optimization"]["stage"] == 3
+    tiny, data = tiny_bert(tmp_path / "tiny"), scifact_slice(tmp_path / "sf")
+    TrainConfig(model=str(tiny), train_data=str(data), resume=str(tmp_path), grad_cache_chunk=4,
+                deepspeed=write(tmp_path, {"zero_optimization": {"stage": 3}})).validate()

@@ -26,11 +26,13 @@ def add_parser(sub: Any, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..engine import distributed as D
     from ..retrieval.report import print_summary
     from ..train import load_config, train
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     config = load_config(args.config, overrides)
     summary = train(config)
-    print_summary(summary, config.best_metric, config.eval_split)
+    if D.world_info().is_main:  # the global main rank (under torchrun: RANK 0, of any node)
+        print_summary(summary, config.best_metric, config.eval_split)
     return 0

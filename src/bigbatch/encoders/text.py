@@ -29,7 +29,8 @@ from .source import (
     model_reference,
 )
 
-__all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES", "check_texts"]
+__all__ = ["TextEncoder", "default_lora_targets", "POOLING_MODES", "check_texts",
+           "end_with_eos"]
 
 POOLING_MODES = ("mean", "cls", "last")
 
@@ -73,6 +74,36 @@ def default_lora_targets(model_type: str) -> list[str]:
                       f"lora_target_modules (--lora-target-modules), e.g. q_proj,v_proj")
 
 
+def end_with_eos(tokenizer: Any) -> bool:
+    """Last-token pooling of a decoder model: pad on the left and end every text with a
+    special token, which the embedding is taken from. Qwen3-Embedding's tokenizer does both
+    (it appends ``<|endoftext|>``); a base model's tokenizer, which ends texts with no
+    special token, is given a post-processor that appends its end-of-text token, saved with
+    it, so that sentence-transformers embeds the saved folder the same way. A tokenizer
+    without an end-of-text token (BERT's, whose last token is ``[SEP]``) is left as it is.
+    Returns whether the tokenizer was changed."""
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    if eos is None or eos_id is None:
+        return False
+    changed = tokenizer.padding_side != "left"
+    tokenizer.padding_side = "left"
+    if tokenizer("a", return_special_tokens_mask=True)["special_tokens_mask"][-1]:
+        return changed  # it ends texts with a special token already (Qwen3-Embedding's)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ConfigError(f"--pooling last: the tokenizer does not end texts with {eos!r} and "
+                          f"is not a fast tokenizer that bigbatch can make do so; use a "
+                          f"model folder whose tokenizer.json appends it")
+    from tokenizers import processors
+
+    append = processors.TemplateProcessing(single=f"$A {eos}", pair=f"$A {eos} $B {eos}",
+                                           special_tokens=[(eos, eos_id)])
+    current = backend.post_processor
+    backend.post_processor = append if current is None else \
+        processors.Sequence([current, append])
+    return True
+
+
 def check_texts(items: Sequence[Any]) -> None:
     """Raises ConfigError unless every item is a text (an image needs a vision-language model)."""
     bad = next((x for x in items if not isinstance(x, str)), None)
@@ -87,7 +118,12 @@ class TextEncoder(EncoderBase):
 
     Args:
         model: path or hub name for ``AutoModel.from_pretrained`` (a local path here).
-        pooling: ``"mean"``, ``"cls"`` or ``"last"`` (last non-padding token).
+        pooling: ``"mean"``, ``"cls"`` or ``"last"`` (last non-padding token). With
+            ``"last"`` and a tokenizer that has an end-of-text token (a decoder model such as
+            Qwen3, Mistral, Llama), texts are padded on the left and end with that token (a
+            tokenizer that does not add it is given a post-processor that does, saved with
+            it): the embedding is the end-of-text token's, as Qwen3-Embedding, e5-mistral
+            and GritLM embed.
         normalize: L2-normalise the embeddings.
         max_length: tokenizer truncation length (queries and documents).
         query_prefix, doc_prefix: text put before every query / document (instructions).
@@ -100,6 +136,8 @@ class TextEncoder(EncoderBase):
         gradient_checkpointing: recompute activations in the backward pass; composes with
             the cache (each replay recomputes inside its own chunk).
         dtype: dtype to load the weights in (default float32).
+        attn_implementation: transformers' attention implementation (``"sdpa"``,
+            ``"eager"``, ``"flash_attention_2"``; None: transformers' default).
 
     Raises:
         ConfigError: unknown pooling, bad LoRA options, weights missing from the checkpoint.
@@ -115,7 +153,8 @@ class TextEncoder(EncoderBase):
                  lora_target_modules: Sequence[str] | None = None,
                  gradient_checkpointing: bool = False,
                  dtype: torch.dtype | None = None,
-                 exclude_prompt_from_pooling: bool = False) -> None:
+                 exclude_prompt_from_pooling: bool = False,
+                 attn_implementation: str | None = None) -> None:
         super().__init__()
         from transformers import AutoTokenizer
 
@@ -140,7 +179,11 @@ class TextEncoder(EncoderBase):
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_name)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        if pooling == "last":
+            end_with_eos(self.tokenizer)
         kwargs = {"dtype": dtype} if dtype is not None else {}
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
         self.model = load_pretrained(self.model_name, self._allowed_missing, **kwargs)
         check_tokenizer_fits(self.tokenizer, self.model, self.model_name)
         limit = model_positions(getattr(self.model.config, "max_position_embeddings", None),

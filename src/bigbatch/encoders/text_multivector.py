@@ -122,6 +122,7 @@ class MultiVectorTextEncoder(TextEncoder):
         projection_bias: the projection has a bias (PyLate: no).
         lora_r, lora_alpha, lora_dropout, lora_target_modules, gradient_checkpointing, dtype:
             as for :class:`~bigbatch.encoders.TextEncoder`; the projection always trains.
+        attn_implementation: as for :class:`~bigbatch.encoders.TextEncoder`.
         pooling: only ``"multivector"`` (the saved settings name it).
 
     Raises:
@@ -138,9 +139,10 @@ class MultiVectorTextEncoder(TextEncoder):
                  projection_bias: bool = False, lora_r: int = 0, lora_alpha: int = 32,
                  lora_dropout: float = 0.0, lora_target_modules: Sequence[str] | None = None,
                  gradient_checkpointing: bool = False, dtype: torch.dtype | None = None,
-                 pooling: str = "multivector") -> None:
+                 pooling: str = "multivector", attn_implementation: str | None = None) -> None:
         super().__init__(model, max_length=max_length, query_prefix=query_prefix,
-                         doc_prefix=doc_prefix, dtype=dtype)
+                         doc_prefix=doc_prefix, dtype=dtype,
+                         attn_implementation=attn_implementation)
         if pooling != "multivector":
             raise ConfigError(f"pooling of a multi-vector encoder is 'multivector', got "
                               f"{pooling!r}")

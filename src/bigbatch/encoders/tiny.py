@@ -1,8 +1,10 @@
 """Tiny randomly initialised Qwen2-VL / Qwen2.5-VL / Qwen3-VL models with a tokenizer and
-image processor built locally: for tests and for running the vision-language path end to
-end on a CPU without downloading anything.
+image processor built locally, and a tiny Qwen3 text model (the decoder of Qwen3-Embedding):
+for tests and for running the vision-language and LLM-embedder paths end to end on a CPU
+without downloading anything.
 
     python -m bigbatch.encoders.tiny runs/tiny-qwen3-vl --family qwen3_vl
+    python -m bigbatch.encoders.tiny runs/tiny-qwen3 --family qwen3
 
 writes a folder that ``transformers.AutoModel``, ``AutoTokenizer`` and
 ``AutoImageProcessor`` load like a real checkpoint. The tokenizer is byte-level (256 byte
@@ -14,11 +16,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["FAMILIES", "build_tiny_vl", "tiny_vl_tokenizer"]
+__all__ = ["FAMILIES", "TEXT_FAMILIES", "build_tiny_vl", "build_tiny_text",
+           "tiny_vl_tokenizer"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+TEXT_FAMILIES = ("qwen3",)
 
 
 def tiny_vl_tokenizer():
@@ -113,16 +117,51 @@ def build_tiny_vl(path: str | Path, family: str = "qwen3_vl", *, hidden: int = 3
     return path
 
 
+def build_tiny_text(path: str | Path, family: str = "qwen3", *, hidden: int = 32,
+                    layers: int = 2, seed: int = 0, dropout: float = 0.0) -> Path:
+    """Write a tiny random decoder-only text model of ``family`` (Qwen3: grouped-query
+    attention, rotary positions, q/k norms) and its byte-level tokenizer to ``path``: a
+    base model's tokenizer, padding on the right and adding no end-of-text token (what
+    ``--pooling last`` arranges itself). Returns ``path``; an existing model there is kept.
+    """
+    import torch
+
+    if family not in TEXT_FAMILIES:
+        raise ValueError(f"family must be one of {TEXT_FAMILIES}, got {family!r}")
+    from transformers import Qwen3Config, Qwen3Model
+    from transformers.utils import logging as hf_logging
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    hf_logging.disable_progress_bar()
+    tok = tiny_vl_tokenizer()
+    ids = dict(zip(SPECIAL_TOKENS, tok.convert_tokens_to_ids(SPECIAL_TOKENS)))
+    heads = 4
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=2, head_dim=hidden // heads,
+                         max_position_embeddings=512, attention_dropout=dropout,
+                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                         pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False)
+    path.mkdir(parents=True, exist_ok=True)
+    Qwen3Model(config).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bigbatch.encoders.tiny", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", help="output folder")
-    p.add_argument("--family", choices=FAMILIES, default="qwen3_vl")
+    p.add_argument("--family", choices=FAMILIES + TEXT_FAMILIES, default="qwen3_vl")
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    out = build_tiny_vl(a.path, a.family, hidden=a.hidden, layers=a.layers, seed=a.seed)
+    build = build_tiny_text if a.family in TEXT_FAMILIES else build_tiny_vl
+    out = build(a.path, a.family, hidden=a.hidden, layers=a.layers, seed=a.seed)
     print(f"tiny {a.family} model written to {out}")
 
 

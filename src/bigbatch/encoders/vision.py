@@ -97,6 +97,8 @@ class VisionLanguageEncoder(EncoderBase):
             ``lora_r > 0``, on the language model's q/k/v/o projections by default.
         gradient_checkpointing: recompute the language model's activations in backward.
         dtype: dtype to load the weights in (default float32).
+        attn_implementation: transformers' attention implementation (``"sdpa"``,
+            ``"eager"``, ``"flash_attention_2"``; None: transformers' default).
 
     Raises:
         ConfigError: an unsupported architecture or impossible option.
@@ -110,7 +112,8 @@ class VisionLanguageEncoder(EncoderBase):
                  min_num_visual_tokens: int = 4, max_length: int = 512, normalize: bool = True,
                  freeze_vision: bool = True, lora_r: int = 0, lora_alpha: int = 32,
                  lora_dropout: float = 0.0, lora_target_modules: Sequence[str] | None = None,
-                 gradient_checkpointing: bool = False, dtype: torch.dtype | None = None) -> None:
+                 gradient_checkpointing: bool = False, dtype: torch.dtype | None = None,
+                 attn_implementation: str | None = None) -> None:
         super().__init__()
         from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
@@ -144,6 +147,8 @@ class VisionLanguageEncoder(EncoderBase):
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         kwargs = {"dtype": dtype} if dtype is not None else {}
+        if attn_implementation is not None:  # sdpa, eager, flash_attention_2
+            kwargs["attn_implementation"] = attn_implementation
         self.model = load_pretrained(self.model_name, **kwargs)
         check_tokenizer_fits(self.tokenizer, self.model, self.model_name)
         self.image_token_id = int(config.image_token_id)

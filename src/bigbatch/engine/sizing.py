@@ -353,7 +353,8 @@ def activation_bytes(fn: Callable[[], Any], params: Iterable[torch.Tensor] = ())
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip and t.numel():
+        # (a parameter saved for the backward is a weight: under FSDP the gathered one)
+        if ptr not in skip and t.numel() and not isinstance(t, torch.nn.Parameter):
             reach = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
             lo = t.storage_offset() * t.element_size()
             spans.setdefault(ptr, []).append((lo, lo + reach * t.element_size()))

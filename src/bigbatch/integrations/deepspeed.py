@@ -56,7 +56,8 @@ from ..engine.gradcache import GradCache, StepResult
 from ..errors import ConfigError
 
 __all__ = ["DeepSpeedTower", "deepspeed_cache", "deepspeed_step", "check_engine",
-           "full_gradients", "read_config", "ensure_process_group", "initialize"]
+           "full_gradients", "read_config", "zero_stage", "ensure_process_group", "initialize",
+           "is_partitioned", "gathered_parameters", "save_engine_state", "load_engine_state"]
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -187,7 +188,9 @@ def full_gradients(engine: Any) -> dict[str, Tensor]:
 
 
 # ------------------------------------------------------------ bigbatch train --deepspeed
-_TRAIN_STAGES = (1, 2)  # ZeRO-3 partitions the weights that evaluation and saving read whole
+# ZeRO-3 partitions the weights: evaluation runs on every rank (each forward gathers them)
+# and saving gathers them one at a time (gathered_parameters)
+_TRAIN_STAGES = (1, 2, 3)
 
 
 def read_config(path: str, *, batch_size: int, max_grad_norm: float,
@@ -206,7 +209,7 @@ def read_config(path: str, *, batch_size: int, max_grad_norm: float,
     Raises:
         ConfigError: a missing or invalid file (with the line), a section bigbatch train
             sets itself (``optimizer``, ``scheduler``), DeepSpeed's fp16/bf16 optimizer, a
-            ZeRO stage other than 1 or 2, gradient accumulation other than 1, or batch
+            ZeRO stage other than 1, 2 or 3, gradient accumulation other than 1, or batch
             sizes that contradict ``--batch-size``.
     """
     import json
@@ -237,9 +240,8 @@ def read_config(path: str, *, batch_size: int, max_grad_norm: float,
     stage = zero.get("stage", 0) if isinstance(zero, dict) else None
     if stage not in _TRAIN_STAGES:
         raise ConfigError(f"{p}: zero_optimization.stage is {stage!r}; bigbatch train runs "
-                          f"ZeRO stage 1 or 2 (stage 3 partitions the weights that evaluation "
-                          f"and saving read whole: run it through "
-                          f"bigbatch.integrations.deepspeed in your own loop, or use FSDP2)")
+                          f"ZeRO stage 1, 2 or 3 (stage 0 reduces the gradients on every "
+                          f"backward: leave --deepspeed out for plain data parallelism)")
     gas = cfg.get("gradient_accumulation_steps", 1)
     if gas != 1:
         raise ConfigError(f"{p}: gradient_accumulation_steps is {gas!r}; a GradCache step "
@@ -256,6 +258,52 @@ def read_config(path: str, *, batch_size: int, max_grad_norm: float,
     if "gradient_clipping" not in out and max_grad_norm > 0:
         out["gradient_clipping"] = float(max_grad_norm)
     return out
+
+
+def zero_stage(config: dict[str, Any]) -> int:
+    """The ZeRO stage of a configuration :func:`read_config` returned."""
+    return int(config.get("zero_optimization", {}).get("stage", 0))
+
+
+def is_partitioned(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters are partitioned by ZeRO-3 (each holds a slice)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def gathered_parameters(module: nn.Module) -> Iterable[tuple[str, Tensor]]:
+    """Each parameter of a ZeRO-3 ``module`` by name, gathered whole one at a time (every
+    rank iterates: each gather is a collective); a yielded tensor is valid until the next
+    (copy what is kept)."""
+    import deepspeed
+
+    for name, p in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+            yield name, p.detach()
+
+
+_TAG = "zero"  # the one tag of a bigbatch checkpoint's DeepSpeed folder
+
+
+def save_engine_state(engine: Any, folder: Any) -> None:
+    """DeepSpeed's part of a checkpoint (every rank calls it): the module's weights, each
+    rank's optimizer partition and the schedule, in ``folder``."""
+    engine.save_checkpoint(str(folder), tag=_TAG, save_latest=False)
+
+
+def load_engine_state(engine: Any, folder: Any) -> None:
+    """Restore what :func:`save_engine_state` wrote into ``engine`` (every rank).
+
+    Raises:
+        ConfigError: nothing of DeepSpeed's there, or it does not fit the engine.
+    """
+    try:
+        path, _ = engine.load_checkpoint(str(folder), tag=_TAG, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+    except (RuntimeError, KeyError, ValueError, AssertionError) as e:
+        raise ConfigError(f"--resume: {folder} does not fit this DeepSpeed engine (another "
+                          f"model, ZeRO stage or number of processes?): {e}") from e
+    if path is None:
+        raise ConfigError(f"--resume: {folder} holds no DeepSpeed checkpoint")
 
 
 def ensure_process_group() -> None:

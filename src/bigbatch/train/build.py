@@ -48,17 +48,29 @@ def _check_max_length(config: TrainConfig, model_config: Any) -> None:
                               f"{limit} positions {config.model} has")
 
 
+def _check_attn_implementation(name: str | None) -> None:
+    """``--attn-implementation flash_attention_2`` needs the flash-attn package (checked
+    before the model loads, with what to do, rather than by transformers' import error)."""
+    import importlib.util
+
+    if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError("--attn-implementation flash_attention_2 needs the flash-attn "
+                          "package (pip install flash-attn, on a machine with a GPU); use "
+                          "--attn-implementation sdpa")
+
+
 def build_encoder(config: TrainConfig, records: Sequence, lora_r: int) -> Any:
     """The text or vision-language encoder the configuration asks for (``--encoder auto``:
     by the model folder), with a LoRA adapter of rank ``lora_r`` (0: full fine-tuning).
 
     Raises:
         ConfigError: image documents for a text model, a max length beyond the model's
-            positions, or a bad encoder option.
+            positions, flash_attention_2 without flash-attn, or a bad encoder option.
     """
     from ..data.records.loader import summarize
     from ..encoders import TextEncoder, VisionLanguageEncoder, is_vision_language_model
 
+    _check_attn_implementation(config.attn_implementation)
     encoder_type = config.encoder
     if encoder_type == "auto":
         encoder_type = "vision-language" if is_vision_language_model(config.model) else "text"
@@ -74,7 +86,8 @@ def build_encoder(config: TrainConfig, records: Sequence, lora_r: int) -> Any:
                       doc_prefix=config.doc_prefix, lora_r=lora_r, lora_alpha=config.lora_alpha,
                       lora_dropout=config.lora_dropout,
                       lora_target_modules=config.lora_target_modules,
-                      gradient_checkpointing=config.gradient_checkpointing)
+                      gradient_checkpointing=config.gradient_checkpointing,
+                      attn_implementation=config.attn_implementation)
         if config.pooling == "multivector":
             enc = _multivector_encoder(config, common)
         else:
@@ -101,7 +114,8 @@ def build_encoder(config: TrainConfig, records: Sequence, lora_r: int) -> Any:
         min_num_visual_tokens=config.min_num_visual_tokens, max_length=config.max_length,
         freeze_vision=config.freeze_vision, lora_r=lora_r, lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout, lora_target_modules=config.lora_target_modules,
-        gradient_checkpointing=config.gradient_checkpointing)
+        gradient_checkpointing=config.gradient_checkpointing,
+        attn_implementation=config.attn_implementation)
 
 
 def _multivector_encoder(config: TrainConfig, common: dict[str, Any]) -> Any:
@@ -190,12 +204,16 @@ def build_deepspeed(config: TrainConfig, encoder: torch.nn.Module,
     """``--deepspeed``: the DeepSpeed engine over the encoder, with AdamW over the model's
     trainable parameters and its warmup and schedule (stepped by ``engine.step()``); the
     temperature stays with the run's own optimizer (see
-    :mod:`bigbatch.integrations.deepspeed`)."""
-    from ..integrations.deepspeed import initialize, read_config
+    :mod:`bigbatch.integrations.deepspeed`). Under ZeRO-3 the encoder's frame for saving
+    whole weights is kept first (:func:`bigbatch.train.sharding.remember_whole`)."""
+    from ..integrations.deepspeed import initialize, read_config, zero_stage
     from .schedule import make_scheduler
+    from .sharding import remember_whole
 
     ds_config = read_config(config.deepspeed, batch_size=config.batch_size,
                             max_grad_norm=config.max_grad_norm, world_size=world_size)
+    if zero_stage(ds_config) == 3:  # partitioned by initialize: saved through a whole frame
+        remember_whole(encoder, D.world_info().is_main)
     optimizer = torch.optim.AdamW([{"params": model_params,
                                     "weight_decay": config.weight_decay}], lr=config.lr)
     scheduler = make_scheduler(optimizer, config.scheduler, config.warmup_steps, max_steps)

@@ -32,10 +32,11 @@ from .option_values import PATH_KEYS, comma_list, key_lines, number_list, parse_
 
 __all__ = ["TrainConfig", "load_config", "option", "parse_value", "SECTIONS", "DTYPES",
            "ENCODERS", "MODES", "POOLINGS", "SCHEDULERS", "QUERY_SIDE_BACKWARDS",
-           "DOC_NEGATIVES", "one_of", "option_type", "device_problem", "number_list", "config_file_of",
-           "comma_list"]
+           "DOC_NEGATIVES", "ATTN_IMPLEMENTATIONS", "one_of", "option_type", "device_problem",
+           "number_list", "config_file_of", "comma_list"]
 
 DTYPES = ("float32", "bfloat16", "float16")
+FSDP_DTYPES = ("float32", "bfloat16")  # --dtype under --fsdp
 AUTO = "auto"  # --grad-cache-chunk, --query-grad-cache-chunk, --grad-cache-tokens: sized for
 #                --memory-budget
 MIN_MEMORY_BUDGET = 2 ** 20  # bytes: a --memory-budget size below 1 MB is a mistake
@@ -46,6 +47,7 @@ POOLINGS = ("mean", "cls", "last", "multivector")  # multivector: one vector per
 SCHEDULERS = ("cosine", "constant")
 QUERY_SIDE_BACKWARDS = ("direct", "gradcache")
 DOC_NEGATIVES = ("batch", "corpus")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")  # transformers' names
 
 # the groups `bigbatch train --help` lists the options in (flags and YAML keys stay flat)
 SECTIONS = {
@@ -207,6 +209,11 @@ class TrainConfig:
     exclude_instruction_from_pooling: bool = option(False, section="model", help=(
         "leave the query/document prefix's tokens out of mean pooling (GritLM, INSTRUCTOR): "
         "the model attends to the instruction, the embedding averages the text"))
+    attn_implementation: str | None = option(None, section="model", choices=ATTN_IMPLEMENTATIONS,
+                                             help=(
+        "transformers' attention implementation the model is loaded with: sdpa, eager, or "
+        "flash_attention_2 (needs the flash-attn package and a GPU) (default: transformers' "
+        "choice for the model)"))
     gradient_checkpointing: bool = option(False, section="model", help=(
         "recompute activations in the backward pass (less memory)"))
     encoder: str = option("auto", section="model", choices=ENCODERS, help=(
@@ -293,9 +300,19 @@ class TrainConfig:
         "with --distill kl: temperature of the teacher softmax (default: --temperature, right "
         "for a bi-encoder's cosine scores; use 1 for cross-encoder logits)"))
     deepspeed: str | None = option(None, section="engine", help=(
-        "a DeepSpeed JSON configuration: train under ZeRO stage 1 or 2, the chunks' gradients "
-        "reduced once per step (no optimizer, scheduler, fp16 or bf16 section: bigbatch sets "
-        "them; see docs/guides/deepspeed-and-reporting.md) (default: none, plain torch)"))
+        "a DeepSpeed JSON configuration: train under ZeRO stage 1, 2 or 3, the chunks' "
+        "gradients reduced once per step (no optimizer, scheduler, fp16 or bf16 section: "
+        "bigbatch sets them; see docs/guides/deepspeed-and-reporting.md) (default: none, "
+        "plain torch)"))
+    fsdp: bool = option(False, section="engine", help=(
+        "shard the model's weights, gradients and optimizer states over the torchrun "
+        "processes (FSDP2: each transformer block and the model one unit, one "
+        "reduce-scatter per step); checkpoints are written sharded by every process, final/ "
+        "and best/ whole (see docs/guides/distributed.md)"))
+    fsdp_cpu_offload: bool = option(False, section="engine", help=(
+        "with --fsdp: keep the shards, their gradients and the optimizer states in host "
+        "memory (the optimizer steps on the CPU; slower, for models whose states do not fit "
+        "the GPUs)"))
     report_to: list[str] = option(section="run", factory=lambda: ["tensorboard"], help=(
         "where metrics go besides metrics.jsonl: comma-separated tensorboard, wandb (offline "
         "with WANDB_MODE=offline), or none (default: tensorboard, when the tensorboard "
@@ -362,8 +379,9 @@ class TrainConfig:
         if self.max_grad_norm < 0:
             raise bad("max_grad_norm", "must be >= 0 (0 turns clipping off)")
         for f in dataclasses.fields(self):  # each option with choices (option(choices=...))
-            choices = f.metadata["choices"]
-            if choices is not None and getattr(self, f.name) not in choices:
+            choices, value = f.metadata["choices"], getattr(self, f.name)
+            if choices is not None and value not in choices and \
+                    (value is not None or f.default is not None):  # None: left out
                 raise bad(f.name, one_of(choices))
         self._validate_multivector(bad)
         self._validate_objectives(bad)
@@ -393,6 +411,11 @@ class TrainConfig:
         self._validate_reporting(bad)
         if self.deepspeed:
             self._validate_deepspeed(bad)
+        self._validate_fsdp(bad)
+        if self.deepspeed and self.auto_sizes:  # (after what --deepspeed cannot run with)
+            raise ConfigError("--deepspeed: auto chunk sizes come from a probe of the model, "
+                              "which DeepSpeed's engine holds; give --grad-cache-chunk N (and "
+                              "a number for --query-grad-cache-chunk and --grad-cache-tokens)")
         key = id(self)  # remembered by identity: the config never changes
         _VALID[key] = weakref.ref(self, lambda _: _VALID.pop(key, None))
         return self
@@ -415,11 +438,6 @@ class TrainConfig:
                 or (isinstance(budget, int) and budget >= MIN_MEMORY_BUDGET)):
             raise bad("memory_budget", "must be a fraction of the free memory in (0, 1] "
                                        "(0.8) or a size of 1 MB or more (20GB)")
-        if self.deepspeed and AUTO in (self.grad_cache_chunk, self.query_grad_cache_chunk,
-                                       self.grad_cache_tokens):
-            raise ConfigError("--deepspeed: auto chunk sizes come from a probe of the model, "
-                              "which DeepSpeed's engine holds; give --grad-cache-chunk N (and "
-                              "a number for --query-grad-cache-chunk and --grad-cache-tokens)")
 
     @property
     def auto_sizes(self) -> bool:
@@ -498,10 +516,21 @@ class TrainConfig:
         if self.dtype == "float16":
             raise bad("dtype", "float16 needs a loss scaler that --deepspeed does not run; use "
                                "bfloat16")
-        if self.resume:
-            raise bad("resume", "resuming a --deepspeed run is not supported yet (its "
-                                "checkpoints hold the weights, not DeepSpeed's optimizer "
-                                "partitions); start from a checkpoint's weights with --model")
+
+    def _validate_fsdp(self, bad: Any) -> None:
+        """``--fsdp``: not with ``--deepspeed`` (both shard the model), in float32 or
+        bfloat16 (float16 needs a loss scaler over sharded gradients); the launch itself
+        (torchrun) is checked when the run starts (:mod:`bigbatch.train.sharding`)."""
+        if self.fsdp_cpu_offload and not self.fsdp:
+            raise bad("fsdp_cpu_offload", "offloads the shards of --fsdp; give --fsdp too")
+        if not self.fsdp:
+            return
+        if self.deepspeed:
+            raise bad("fsdp", "--fsdp and --deepspeed both shard the model; choose one "
+                              "(--fsdp: torch FSDP2; --deepspeed: a ZeRO configuration)")
+        if self.dtype not in FSDP_DTYPES:
+            raise bad("dtype", f"--fsdp runs {' or '.join(FSDP_DTYPES)} (float16 needs a loss "
+                               f"scaler over sharded gradients); use --dtype bfloat16")
 
     def train_sources(self) -> list[Any]:
         """The training sources ``--train-data`` names (:class:`~bigbatch.data.mix.SourceSpec`)."""

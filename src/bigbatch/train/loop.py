@@ -47,7 +47,6 @@ from .build import (
 )
 from .checkpoint import (
     abandon_later_checkpoints,
-    atomic_dir,
     finished_run,
     latest_checkpoint,
     load_checkpoint,
@@ -71,6 +70,7 @@ from .memory_check import (
     free_memory,
     plan_run_chunks,
 )
+from .model_memory import describe_model_memory, run_model_memory
 from .outdir import check_output_dir, claim_output_dir, remove_created, run_inputs
 from .preempt import PREEMPTED_EXIT, StopSignals
 from .resume import (
@@ -83,6 +83,14 @@ from .resume import (
 )
 from .runid import new_run_id, run_id_of
 from .schedule import make_scheduler
+from .sharded_checkpoint import (
+    load_sharded_checkpoint,
+    resume_view,
+    run_scheme,
+    save_sharded_checkpoint,
+    save_whole,
+)
+from .sharding import check_fsdp_launch, clip_gradients, local_shards, shard_encoder
 from .sources import ChainedRecords, data_identity, load_sources, mix_state
 from .step_checks import StepChecks
 
@@ -189,7 +197,8 @@ def train(config: TrainConfig, on_step_end: StepCallback | None = None) -> dict[
 class Trainer:
     """One training run: its parts (built from the configuration), its state (step, data
     position, best metric) and its phases. Every rank builds one and takes the same
-    branches; the main rank alone evaluates, logs and writes files while the others wait.
+    branches; every rank evaluates its share, the main rank alone logs and writes files
+    (under --fsdp and --deepspeed every rank writes its part of each checkpoint).
     """
 
     # ------------------------------------------------------------------ build
@@ -198,6 +207,8 @@ class Trainer:
 
         self.config = config = config.checked()
         self.info = info = D.init_distributed(timeout_s=config.dist_timeout)
+        if config.fsdp:  # torchrun's processes, a process group even for one
+            self.info = info = check_fsdp_launch(info)
         self.device = device = device_for(config, info)
         self.out = Path(config.output_dir)
         self.ckpt: Path | None = None
@@ -239,6 +250,8 @@ class Trainer:
         self.encoder = self._build_encoder()
         self.corpus = FixedCorpus(config, self.records, self.encoder, device, info) \
             if config.doc_negatives == "corpus" else None
+        if config.fsdp:  # before the optimizer: the parameters become shards
+            shard_encoder(self.encoder, device, config.dtype, config.fsdp_cpu_offload)
         self.loss_fn = build_loss(config, self.corpus, device)
         no_in_batch = [s.name for s in self.sources if not s.spec.in_batch_negatives]
         if no_in_batch and not hasattr(self.loss_fn, "in_batch_negatives"):
@@ -347,12 +360,14 @@ class Trainer:
             torch.manual_seed(config.seed + info.rank)  # each rank its own dropout stream
             return None
         ckpt = self.ckpt
-        check_resume_matches(ckpt, config, info)
         base = model_identity(config.model)  # before any weight is copied from the checkpoint
         check_resumed_base(ckpt, saved_state(ckpt).get("base_model"), base)
-        self.state = load_checkpoint(ckpt, encoder=self.encoder, loss_fn=self.loss_fn,
-                                     optimizer=self.optimizer, scheduler=self.scheduler,
-                                     scaler=self.scaler, rank=info.rank)
+        check_resume_matches(ckpt, *resume_view(ckpt, config, info))
+        parts = dict(encoder=self.encoder, loss_fn=self.loss_fn, optimizer=self.optimizer,
+                     scheduler=self.scheduler, scaler=self.scaler)
+        self.state = load_sharded_checkpoint(ckpt, **parts, info=info, seed=config.seed,
+                                             engine=self.engine) \
+            if run_scheme(config) else load_checkpoint(ckpt, **parts, rank=info.rank)
         train_data, num_records = data_identity(self.batches)
         check_resumed_data(ckpt, train_data, num_records, self.state, mix_state(self.batches))
         self.state["base_model"] = base
@@ -404,7 +419,7 @@ class Trainer:
         else:
             self.step_memory = None if self.engine is not None else estimate_run_step(
                 self.cache, self.encoder, self.records, config, self.device, info.world_size,
-                self.model_params, k=max(s.batches.k for s in self.sources))
+                local_shards(self.model_params), k=max(s.batches.k for s in self.sources))
         if self.step_memory is not None:  # stop now, with the numbers, rather than at step 1
             check_fits(self.step_memory, free_memory(self.device), self.device)
         if info.is_main:
@@ -420,7 +435,7 @@ class Trainer:
 
     def _announcement(self) -> str:
         config, lora_r = self.config, self.lora_r
-        n_train = sum(p.numel() for p in self.model_params)
+        n_train = sum(getattr(p, "ds_numel", p.numel()) for p in self.model_params)  # (ZeRO-3)
         sizes = describe_sizes(self.chunk_plan, self.cache.chunk_sizes,  # as the engine
                                self.cache.chunk_tokens)                  # uses them
         mix = "" if len(self.sources) == 1 else " (" + ", ".join(
@@ -437,6 +452,8 @@ class Trainer:
                 f"device {self.device}")
         if self.step_memory is not None:
             text += f", {describe(self.step_memory)}"
+        text += ", " + describe_model_memory(run_model_memory(
+            self.encoder, self.model_params, self.info.world_size, config.fsdp, config.dtype))
         if config.mode == "query-side-tune":
             corpus = f": {len(self.corpus.ids):,} documents" if self.corpus is not None else ""
             text += (f", query-side-tune ({config.query_side_backward} backward, "
@@ -445,17 +462,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluate and save
     def evaluate(self, step: int) -> dict[str, float] | None:
-        """The main rank's retrieval metrics on ``--eval-data`` (logged and shown), the same
-        on every rank; None without evaluation data."""
+        """The retrieval metrics on ``--eval-data`` (logged and shown by the main rank), the
+        same on every rank; None without evaluation data. Under torchrun every rank embeds
+        its share of the texts (:mod:`bigbatch.retrieval.distributed_eval`)."""
+        from ..retrieval.distributed_eval import split_over_ranks
         from ..retrieval.evaluate import evaluate_sets
 
         config = self.config
         if not self.eval_sets:
             return None
-        metrics = None
+        metrics = evaluate_sets(split_over_ranks(self.encoder), self.eval_sets,
+                                config.eval_split, batch_size=config.eval_batch_size,
+                                device=self.device, progress=self.info.is_main)
         if self.info.is_main:
-            metrics = evaluate_sets(self.encoder, self.eval_sets, config.eval_split,
-                                    batch_size=config.eval_batch_size, device=self.device)
             self.logger.log(step, metrics, kind="eval")
             if self.columns is None:  # a header over the first row; each evaluation a row
                 self.columns = eval_columns(metrics, config.best_metric)
@@ -464,8 +483,16 @@ class Trainer:
         return from_main(metrics, self.info)  # every rank takes the same branches after it
 
     def save(self, path: Path) -> None:
-        """Write a checkpoint (every rank's random state; the main rank writes)."""
+        """Write a checkpoint (every rank's random state; the main rank writes, and under
+        --fsdp or --deepspeed every rank its shards or partitions)."""
         states = gather_rng_states(self.info)
+        if run_scheme(self.config):
+            save_sharded_checkpoint(path, encoder=self.encoder, loss_fn=self.loss_fn,
+                                    optimizer=self.optimizer, scheduler=self.scheduler,
+                                    scaler=self.scaler, state=dict(self.state),
+                                    config=self.config, rank_states=states, info=self.info,
+                                    engine=self.engine)
+            return
         if self.info.is_main:
             save_checkpoint(path, encoder=self.encoder, loss_fn=self.loss_fn,
                             optimizer=self.optimizer, scheduler=self.scheduler,
@@ -574,10 +601,7 @@ class Trainer:
             clipped = list(self.loss_fn.parameters())  # the temperature, alone
         else:
             clipped = self.all_params
-        if config.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(clipped, config.max_grad_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in clipped if p.grad is not None])
+        norm = clip_gradients(clipped, config.max_grad_norm)  # (sharded or not)
         if self.engine is None:
             grad_norm = norm
         if scaler is not None:
@@ -701,13 +725,8 @@ class Trainer:
         config, info, out, state = self.config, self.info, self.out, self.state
         self.bar.close()
         self._save_step(state["step"])
-        if info.is_main:
-            with atomic_dir(out / "final") as tmp, \
-                    write_errors(out / "final", f"continue with --resume {out}"):
-                # full weights every client loads alike; a LoRA run's adapter beside them
-                # in final/adapter/ (none with --merge-lora)
-                self.encoder.save_final(tmp, keep_adapter=not config.merge_lora)
-        barrier(info)
+        save_whole(self.encoder, out / "final", info, f"continue with --resume {out}",
+                   merge_lora=config.merge_lora)  # (a sharded model gathered first)
         if state["step"] >= self.max_steps and self.last_eval_step != state["step"]:
             self.last_metrics = self.evaluate(state["step"])
             if self.consider_best(self.last_metrics, state["step"]):  # the final checkpoint
