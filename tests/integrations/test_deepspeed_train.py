@@ -40,7 +40,7 @@ def run(assets, out, *extra):
 
 def adapter(out):
     from safetensors.torch import load_file
-    return load_file(out / "final" / "adapter_model.safetensors")
+    return load_file(out / "final" / "adapter" / "adapter_model.safetensors")
 
 
 def check_follows(plain, ds, out_plain, out_ds):
