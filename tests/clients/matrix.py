@@ -3,12 +3,14 @@ libraries and versions users run, and what they write is read right by bigbatch.
 
 1. One virtual environment per client version (:data:`ENVIRONMENTS`), installed from PyPI
    with pip (torch: this environment's release, so the CPU build where that is what is
-   installed). They are kept in ``--venvs`` and reused while their requirements are the
-   same. colpali-engine is not among them yet (it needs PyPI's own torch and torchvision,
-   several GB, and a ColQwen-style model to check).
+   installed; colpali-engine's: PyPI's own torch, since torchvision's wheels are built
+   against it). They are kept in ``--venvs`` and reused while their requirements are the
+   same.
 2. Tiny models trained with ``bigbatch train`` on SciFact (all-MiniLM-L6-v2, 2 steps):
    one vector per text with full fine-tuning and with LoRA, ColBERT with full fine-tuning
-   and with LoRA; plus what bigbatch wrote before (:data:`LEGACY`): a LoRA checkpoint's
+   and with LoRA; ColQwen-style page retrievers (:data:`PAGE_MODELS`: tiny random
+   Qwen2-VL and Qwen2.5-VL models, 128 dimensions, trained 2 steps on SciFact abstracts
+   rendered to pages), full and LoRA; plus what bigbatch wrote before (:data:`LEGACY`): a LoRA checkpoint's
    model folder, which is an adapter (the layout a LoRA ``final/`` had before it held
    merged weights), and a ColBERT folder whose ``1_Dense/config.json`` has
    ``use_residual``.
@@ -58,6 +60,14 @@ ENVIRONMENTS: dict[str, list[list[str]] | None] = {
     # what `pip install pylate` resolves to beside torch 2.13: PyLate 1.2.0, with
     # sentence-transformers 4.0.2 and transformers 4.48.2
     "pylate-1.2": [["{torch}"], ["pylate==1.2.0", "peft"]],
+    # colpali-engine 0.3.18 needs torchvision, whose only wheels on PyPI are built against
+    # PyPI's own (CUDA) torch: both from PyPI itself (pip's configuration ignored), then
+    # what colpali-engine asks for (transformers >= 5.3 < 6, peft < 0.21)
+    "colpali-engine-0.3.18": [["--isolated", "--index-url", "https://pypi.org/simple",
+                               "{torch}", "torchvision==0.28.0"],
+                              ["transformers>=5.3,<6", "peft>=0.18,<0.21", "pillow>=10",
+                               "scipy", "requests", "numpy"],
+                              ["--no-deps", "colpali-engine==0.3.18"]],
 }
 
 TRAIN = ["--batch-size", "16", "--grad-cache-chunk", "8", "--max-steps", "2",
@@ -73,6 +83,17 @@ MODELS = {  # name -> (kind, extra bigbatch train options)
     "ColBERT LoRA": ("colbert", ["--pooling", "multivector", "--multivector-dim", "128",
                                  "--query-length", "32", "--lora-r", "8", "--lora-alpha", "16",
                                  "--lr", "2e-3"]),
+}
+# ColQwen-style page retrievers: name -> (Qwen-VL family of the tiny base, options); what
+# colpali-engine's ColQwen2 / ColQwen2_5 load (128 dimensions, a custom_text_proj)
+PAGE_TRAIN = ["--pooling", "multivector", "--multivector-dim", "128", "--batch-size", "4",
+              "--grad-cache-chunk", "2", "--max-steps", "2", "--warmup-steps", "0",
+              "--max-length", "32", "--max-num-visual-tokens", "16", "--save-steps", "0",
+              "--no-eval-at-start", "--report-to", "none", "--seed", "0", "--lr", "1e-3"]
+PAGE_MODELS = {
+    "ColQwen2 full": ("qwen2_vl", ["--lora-r", "0"]),
+    "ColQwen2 LoRA": ("qwen2_vl", ["--lora-r", "4", "--lora-alpha", "8"]),
+    "ColQwen2.5 full": ("qwen2_5_vl", ["--lora-r", "0"]),
 }
 ADAPTER_FOLDER = "dense LoRA, adapter folder"  # a checkpoint's model: the old final/ layout
 # what bigbatch wrote before (a LoRA final/ as an adapter folder; 1_Dense/config.json with
@@ -151,12 +172,80 @@ def train_models(out: Path, base: str, data: Path) -> dict[str, dict]:
     return models
 
 
+def pages(out: Path, data: Path) -> Path:
+    """A 16-pair slice of ``data`` with its abstracts rendered to 224 x 224 pages (one
+    negative page per record): the page retrievers' training data."""
+    from bigbatch.data.tools.pages import render_beir_pages
+
+    folder = out / "pages"
+    if not (folder / "train.jsonl").exists():
+        sys.path.insert(0, str(ROOT / "tests"))
+        from pipeline_helpers import scifact_slice
+
+        src = scifact_slice(out / "pages-src", n_train=16, n_test=4, n_extra_docs=8)
+        render_beir_pages(src, folder, num_negatives=1, size=(224, 224), font_size=9,
+                          progress=False)
+    return folder
+
+
+def train_page_models(out: Path, data: Path) -> dict[str, dict]:
+    """The models of :data:`PAGE_MODELS`, trained by ``bigbatch train`` on :func:`pages`,
+    and the pages the matrix embeds (two page images)."""
+    from bigbatch.encoders.tiny import build_tiny_vl
+
+    folder = pages(out, data)
+    images = sorted(str(p) for p in (folder / "images").rglob("*.png"))[:2]
+    models = {}
+    for name, (family, options) in PAGE_MODELS.items():
+        base = build_tiny_vl(out / "bases" / family, family)
+        run = out / "runs" / _slug(name)
+        if not (run / "final" / "bigbatch_encoder.json").exists():
+            subprocess.run([sys.executable, "-m", "bigbatch.cli", "train", "--model", str(base),
+                            "--train-data", str(folder / "train.jsonl"), "--output-dir",
+                            str(run), "--overwrite", *PAGE_TRAIN, *options], check=True)
+        models[name] = {"folder": str(run / "final"), "kind": "colqwen", "base": str(base),
+                        "family": family, "images": images}
+    return models
+
+
+def page_inputs(m: dict, sample: dict[str, list[str]], out: Path) -> dict[str, list[str]]:
+    """bigbatch's model inputs of each query and page (``enc.collate``, one item a batch),
+    one .npz each, for the client to feed its own model class: a ColQwen-style model is
+    used with bigbatch's inputs (its card says so), so the check is the weights and the
+    architecture, not colpali-engine's processor."""
+    from bigbatch.data.records.types import ImageDoc
+    from bigbatch.encoders import load_encoder
+
+    enc = load_encoder(m["folder"]).eval()
+    files: dict[str, list[str]] = {"query": [], "doc": []}
+    items = {"query": sample["query"], "doc": [ImageDoc(p) for p in m["images"]]}
+    for side, values in items.items():
+        for i, item in enumerate(values):
+            batch = enc.collate([item], side)
+            path = out / f"inputs-{_slug(m['name'])}-{side}-{i}.npz"
+            np.savez(path, **{k: v.numpy() for k, v in batch.items()})
+            files[side].append(str(path))
+    return files
+
+
 def reference(models: dict[str, dict], sample: dict[str, list[str]], out: Path) -> None:
     """bigbatch's embeddings of each model folder (``load_encoder``), as .npz."""
+    from bigbatch.data.records.types import ImageDoc
     from bigbatch.encoders import load_encoder
 
     for name, m in models.items():
         enc = load_encoder(m["folder"]).eval()
+        if m["kind"] == "colqwen":  # one item a batch, the tokens each scores
+            m["inputs"] = page_inputs({**m, "name": name}, sample, out)
+            arrays = {}
+            for side, values in (("query", sample["query"]),
+                                 ("doc", [ImageDoc(p) for p in m["images"]])):
+                for i, item in enumerate(values):
+                    got = enc.encode([item], side=side)
+                    arrays[f"{side}_{i}"] = got.values[0][got.mask[0]].numpy()
+            m["reference"] = str(out / f"bigbatch-{_slug(name)}.npz")
+            np.savez(m["reference"], **arrays)
+            continue
         arrays = {}
         for side in ("query", "doc"):
             got = enc.encode(sample[side], side=side)
@@ -251,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     data = Path(args.data)
     sample = texts(data)
     models = train_models(out, args.model, data)
+    if any(steps and any("colpali-engine" in a for step in steps for a in step)
+           for steps in environments.values()):  # the page retrievers only where read
+        models.update(train_page_models(out, data))
     reference(models, sample, out)
     spec = {"texts": sample, "models": models, "reverse_base": args.model}
     (out / "spec.json").write_text(json.dumps(spec, indent=2))

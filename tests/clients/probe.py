@@ -56,6 +56,8 @@ def _sides(model_spec, texts):
 def probe_sentence_transformers(spec, name, m):
     from sentence_transformers import SentenceTransformer
 
+    if m["kind"] == "colqwen":
+        return None
     if m["kind"] != "dense":
         import sentence_transformers as st
         if not hasattr(st, "MultiVectorEncoder"):
@@ -66,6 +68,31 @@ def probe_sentence_transformers(spec, name, m):
     model = SentenceTransformer(m["folder"], device="cpu")
     return {side: model.encode(texts, prompt_name=prompt_name)
             for side, texts, _, prompt_name in _sides(m, spec["texts"])}
+
+
+def probe_colpali(spec, name, m):
+    """A ColQwen-style folder in colpali-engine's class for its architecture, fed the inputs
+    bigbatch made (as the model card shows): the tokens each query and page scores."""
+    if m["kind"] != "colqwen":
+        return None
+    import torch
+    from colpali_engine.models import ColQwen2, ColQwen2_5
+
+    cls = {"qwen2_vl": ColQwen2, "qwen2_5_vl": ColQwen2_5}[m["family"]]
+    model = cls.from_pretrained(m["folder"], torch_dtype=torch.float32).eval()
+    out = {}
+    for side, files in m["inputs"].items():
+        for i, f in enumerate(files):
+            batch = {k: torch.from_numpy(v) for k, v in np.load(f).items()}
+            scored = batch.pop("skip_mask").logical_not() & batch["attention_mask"].bool()
+            if "pixel_values" in batch:  # ColQwen2 takes pixel values padded per image
+                batch["pixel_values"] = batch["pixel_values"].unsqueeze(0)
+            else:  # a text: the positions bigbatch gives
+                pos = (batch["attention_mask"].cumsum(-1) - 1).clamp_min(0)
+                batch["position_ids"] = pos.unsqueeze(0).expand(3, -1, -1)
+            with torch.no_grad():
+                out[f"{side}_{i}"] = model(**batch)[scored].numpy()
+    return out
 
 
 def probe_transformers(spec, name, m):
@@ -109,7 +136,8 @@ def probe_pylate(spec, name, m):
 PROBES = {"sentence-transformers": ("sentence-transformers", probe_sentence_transformers),
           "transformers": ("transformers", probe_transformers),
           "peft": ("peft", probe_peft),
-          "PyLate": ("pylate", probe_pylate)}
+          "PyLate": ("pylate", probe_pylate),
+          "colpali-engine": ("colpali-engine", probe_colpali)}
 
 
 def reverse_sentence_transformers(spec, out):
@@ -168,7 +196,7 @@ def main(spec_path: str, out_dir: str) -> int:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = {d: version(d) for d in ("torch", "transformers", "sentence-transformers", "peft",
-                                   "pylate")}
+                                   "pylate", "colpali-engine")}
     rows = []
     for client, (dist, probe) in PROBES.items():
         if env.get(dist) is None and version(dist) is None:
