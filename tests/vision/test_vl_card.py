@@ -119,3 +119,29 @@ def test_a_colpali_engine_folder_is_refused_naming_why(tiny_vl, tmp_path):
     with pytest.raises(ConfigError, match="ColQwen-style model .* colpali-engine's processor "
                                           "prompts"):
         load_encoder(final)
+
+
+def test_training_a_colqwen_folder_as_one_vector_per_text_is_refused(tiny_vl, tmp_path):
+    """``bigbatch train --model <ColQwen folder>`` without ``--pooling multivector`` used to
+    train a single-vector model on it, its per-token projection dropped: refused before
+    step 1; with ``--pooling multivector`` the folder's projection is where training starts."""
+    import pytest
+
+    from bigbatch.errors import ConfigError
+    from bigbatch.train.build import build_encoder
+
+    base = tiny_vl("qwen2_vl")
+    enc = MultiVectorVisionEncoder(base, dim=128, max_num_visual_tokens=12)
+    final = enc.save_final(tmp_path / "final")
+    (final / "bigbatch_encoder.json").unlink()  # what colpali-engine's save leaves
+    config = TrainConfig(model=str(final), train_data=str(tmp_path / "pages.jsonl"),
+                         output_dir=str(tmp_path / "run"), lora_r=0, max_num_visual_tokens=12)
+    with pytest.raises(ConfigError, match="ColQwen-style multi-vector model .* --pooling "
+                                          "multivector"):
+        build_encoder(config, [], 0)
+    import dataclasses
+
+    import torch
+
+    got = build_encoder(dataclasses.replace(config, pooling="multivector"), [], 0)
+    assert torch.equal(got.projection.weight, enc.projection.weight)

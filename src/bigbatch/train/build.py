@@ -102,7 +102,15 @@ def build_encoder(config: TrainConfig, records: Sequence, lora_r: int) -> Any:
                           f"vision-language model, pooled by its last token (never an "
                           f"instruction token); leave the option out")
     from ..encoders.vision import DOC_INSTRUCTION, QUERY_INSTRUCTION
-    from ..encoders.vision_multivector import MultiVectorVisionEncoder
+    from ..encoders.vision_multivector import PROJECTION, MultiVectorVisionEncoder, projection_weights
+
+    if config.pooling != "multivector" and projection_weights(config.model):
+        # a ColQwen-style folder (colpali-engine's, or bigbatch's): one vector per text would
+        # drop its per-token projection and train another kind of model, silently
+        raise ConfigError(f"--model {config.model} is a ColQwen-style multi-vector model (its "
+                          f"weights hold {PROJECTION}); train it with --pooling multivector "
+                          f"(one vector per token), or start from its base model for one "
+                          f"vector per text")
 
     # --pooling multivector: ColQwen-style, one projected vector per token
     cls, extra = (MultiVectorVisionEncoder, {"dim": config.multivector_dim}) \
