@@ -174,6 +174,11 @@ def test_a_data_file_that_is_a_fifo_or_a_device_is_refused(tmp_path):
             assert len(problems) == 1 and "not a regular file" in str(problems[0])
         with pytest.raises(DataError, match="not a regular file"):
             finishes(lambda: load_records(path))
+    from bigbatch.data.records.store import open_records
+
+    for path in (tmp_path / "data.jsonl", tmp_path / "data.parquet"):  # (read by index)
+        with pytest.raises(DataError, match="FIFO .*not a regular file"):
+            finishes(lambda: open_records(path, cache_dir=tmp_path / "cache"))
 
 
 # 7. BEIR texts by the rules of the JSONL records ---------------------------------------------

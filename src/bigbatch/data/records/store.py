@@ -47,7 +47,7 @@ from ...errors import DataError
 from ..formats import format_of, get_format, no_records_problem, stream_records
 from ..formats.common import Format
 from ..formats.instructions import SystemCounts
-from ..readers.files import cache_errors
+from ..readers.files import NotRegularFileError, cache_errors, open_regular
 from ..readers.jsonl import jsonl_spans
 from ..readers.shards import is_shard_folder, shard_files
 from ..readers.tables import hf_dataset_files, is_hf_dataset
@@ -69,9 +69,13 @@ def _default_cache() -> Path:
 
 def _signature(path: Path) -> dict[str, Any]:
     """What identifies a file's contents: size, modification time, a hash of its ends."""
-    st = os.stat(path)
+    try:  # (a FIFO or a device is refused without blocking on it)
+        f = open_regular(path, "rb")
+    except NotRegularFileError as e:
+        raise DataError(e.strerror, path=str(path)) from None
+    st = os.fstat(f.fileno())
     h = hashlib.sha1()
-    with open(path, "rb") as f:
+    with f:
         h.update(f.read(_HEAD))
         if st.st_size > _HEAD:
             f.seek(max(_HEAD, st.st_size - _TAIL))
