@@ -123,3 +123,36 @@ def test_an_output_that_is_an_input_of_the_command_is_refused(assets, tmp_path, 
     err = capsys.readouterr().err
     assert "is an input of this command" in err, err
     assert snapshot(tmp_path) == before
+
+
+# ---------------------------------------------------------------- a full disk
+@pytest.mark.parametrize("case", ["eval", "mine", "make-pairs"])
+def test_a_full_disk_names_the_output_and_leaves_what_was_there(assets, tmp_path, capsys,
+                                                                monkeypatch, case):
+    """A command's output meeting a full disk gave a traceback; now one line names the file,
+    the free space and that the file there before is kept."""
+    import errno
+    import os
+
+    tiny, data, _ = assets
+    out = tmp_path / "out" / ("result.json" if case == "eval" else "pairs.jsonl")
+    out.parent.mkdir()
+    out.write_text("what was there before\n")
+    argv = {"eval": ["eval", "--model", str(tiny), "--data", str(data), "--output", str(out)],
+            "mine": ["mine", "--model", str(tiny), "--data", str(data), "--output", str(out),
+                     "--num-negatives", "1", "--max-score-ratio", "0", "--min-negatives", "1"],
+            "make-pairs": ["make-pairs", str(data), str(out)]}[case]
+    real_replace = os.replace
+
+    def full(src, dst, *a, **k):  # the disk fills as the output is put in place
+        if str(dst) == str(out):
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real_replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "replace", full)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"could not write {out}: No space left on device (" in err and "free on" in err
+    assert "Free some space, then" in err and "--save-total-limit" not in err  # (not a run)
+    assert "Traceback" not in err
+    assert out.read_text() == "what was there before\n"

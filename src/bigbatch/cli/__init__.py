@@ -12,6 +12,7 @@ The parser imports no torch: ``bigbatch --help`` answers at once.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -66,3 +67,18 @@ def _run(args: argparse.Namespace) -> int:
     except BigBatchError as e:
         print(f"bigbatch: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # an output the command could not write: named, not a traceback
+        if e.errno not in _WRITE_ERRORS:
+            raise
+        from ..train.durable import failed_write
+
+        # (every command writes its outputs beside them and renames them into place when
+        # complete, so what was there before is left as it was)
+        print(f"bigbatch: error: {args.command}: "
+              f"{failed_write(e.filename or 'its output', e, 'run it again', run=False)}",
+              file=sys.stderr)
+        return 2
+
+
+# what a write can meet on a machine: a full disk or quota, a read-only file system
+_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)

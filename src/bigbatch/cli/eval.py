@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
                        for dim, metrics in per_dim.items())
     print(format_eval_table(results))
     if args.output:  # strict JSON, written whole or not at all
-        write_text_safely(args.output, json_text(results, indent=2), "evaluate again")
+        write_text_safely(args.output, json_text(results, indent=2), "evaluate again",
+                          run=False)
         print(f"wrote {args.output}")
     return 0

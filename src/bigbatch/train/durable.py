@@ -73,32 +73,40 @@ def move_into_new_folder(parent: str | Path, prefix: str, paths: Iterable[Path])
 _WRITE_FAILURES = ("unexpected pos", "writ", "no space left", "disk quota")
 
 
+def failed_write(target: str | Path, e: BaseException, hint: str,
+                 run: bool = True) -> OutputError:
+    """The error for a write of ``target`` that failed with ``e``: the file, why, the free
+    space, and ``hint`` (what to do next); ``run``: a training run's file (then fewer kept
+    checkpoints free space too)."""
+    text = str(e).strip().splitlines()[0].strip() if str(e).strip() else type(e).__name__
+    if isinstance(e, OSError) and e.strerror:
+        text = e.strerror
+    space = free_space(target)
+    more = " (or lower --save-total-limit)" if run else ""
+    return OutputError(f"could not write {target}: {text}" + (f" ({space})" if space else "")
+                       + f"; is the disk full (or the folder not writable)? Free some space"
+                         f"{more}, then {hint}")
+
+
 @contextlib.contextmanager
-def write_errors(target: str | Path, hint: str) -> Iterator[None]:
+def write_errors(target: str | Path, hint: str, run: bool = True) -> Iterator[None]:
     """Turn a failed write of ``target`` (an OSError, or torch's RuntimeError from a stream
     that stopped short) into an :class:`OutputError` naming ``target``, the free space and
-    ``hint`` (what to do next)."""
+    ``hint`` (what to do next); ``run`` as for :func:`failed_write`."""
     try:
         yield
     except OutputError:
         raise
     except (OSError, RuntimeError) as e:
-        text = str(e).strip().splitlines()[0].strip() if str(e).strip() else type(e).__name__
         if isinstance(e, RuntimeError) and not any(w in str(e).lower() for w in _WRITE_FAILURES):
             raise
-        if isinstance(e, OSError) and e.strerror:
-            text = e.strerror
-        space = free_space(target)
-        raise OutputError(f"could not write {target}: {text}"
-                          + (f" ({space})" if space else "")
-                          + f"; is the disk full (or the folder not writable)? Free some space "
-                            f"(or lower --save-total-limit), then {hint}") from e
+        raise failed_write(target, e, hint, run) from e
 
 
-def write_text_safely(path: str | Path, text: str, hint: str) -> None:
+def write_text_safely(path: str | Path, text: str, hint: str, run: bool = True) -> None:
     """:func:`write_text_atomic` with the folder's entries flushed, and a failure as
-    :func:`write_errors` names it (``hint``: what to do next): the file is all there, or as
-    it was before."""
-    with write_errors(path, hint):
+    :func:`write_errors` names it (``hint``: what to do next; ``run``: a training run's
+    file): the file is all there, or as it was before."""
+    with write_errors(path, hint, run):
         write_text_atomic(path, text)
         fsync_dir(Path(path).absolute().parent)
