@@ -55,3 +55,26 @@ def test_bad_query_lines_and_missing_queries_are_errors(tmp_path):
     (src / "queries.jsonl").write_text('{"_id": "q2", "text": "another"}\n')
     with pytest.raises(DataError, match="1 query ids of the qrels are not in queries.jsonl"):
         render_beir_pages(src, tmp_path / "out", progress=False)
+
+
+def test_trec_qrels_are_read_as_eval_reads_them(tmp_path):
+    """MS MARCO's 4-column qrels (``qid 0 pid rel``, no header) were read as document "0"
+    with the pid as its relevance: now the pages of the right documents are rendered, the
+    output's qrels in BEIR's columns; a malformed file is an error naming its line."""
+    import pytest
+
+    from bigbatch.errors import DataError
+
+    src = _beir(tmp_path / "src", "text")
+    with open(src / "corpus.jsonl", "a") as f:
+        f.write(json.dumps({"_id": "0", "title": "", "text": "a decoy"}) + "\n")
+    (src / "qrels" / "train.tsv").write_text("q1\t0\td1\t1\n")
+    render_beir_pages(src, tmp_path / "out", progress=False)
+    out = tmp_path / "out"
+    assert (out / "qrels" / "train.tsv").read_text().splitlines()[1:] == ["q1\td1\t1"]
+    assert [json.loads(line)["_id"] for line in (out / "corpus.jsonl").read_text().splitlines()
+            ][0] == "d1"
+    (src / "qrels" / "train.tsv").write_text("q1\td1\t0.5\n")
+    with pytest.raises(DataError, match=r"train.tsv:1, field 'score': score '0.5' is not an "
+                                        r"integer"):
+        render_beir_pages(src, tmp_path / "out2", progress=False)

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..._progress import progress_bar
 from ...errors import DataError, shown
+from ..readers.beir_dir import load_qrels
 from ..readers.jsonl import iter_jsonl
 
 __all__ = ["render_page", "render_beir_pages", "load_font"]
@@ -100,11 +101,11 @@ def _read_manifest(path: Path) -> dict[str, str]:
 
 
 def _read_qrels(path: Path) -> list[tuple[str, str, int]]:
+    """A split's qrels as ``bigbatch eval`` reads them (BEIR's 3 columns or TREC's 4, checked:
+    :func:`~bigbatch.data.readers.beir_dir.load_qrels`); none when the split has no file."""
     if not path.exists():
         return []
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f, delimiter="\t"))
-    return [(q, d, int(s)) for q, d, s in rows[1:]]
+    return [(q, d, s) for q, docs in load_qrels(path).items() for d, s in docs.items()]
 
 
 def render_beir_pages(src: str | Path, out: str | Path, *, splits: tuple[str, ...] = ("train", "test"),
