@@ -2,7 +2,8 @@
 sharded run follows one process on the global batch (losses, gradient norms, evaluation,
 final weights); its checkpoints are written sharded by both processes; ``final/`` loads in
 sentence-transformers with the unsharded run's embeddings; a resume on 2 processes is
-exact and one on 1 process continues, resharded; bad input is refused before step 1.
+exact (also after one rank was killed with SIGKILL right after a checkpoint) and one on 1
+process continues, resharded; bad input is refused before step 1.
 
 The torchrun runs take a minute or more each on 2 shared cores: they are marked slow (the
 float64 test of the sharding itself, tests/distributed/test_fsdp.py, runs by default)."""
@@ -119,6 +120,49 @@ def _resume_copy(runs, name):
 @pytest.mark.slow
 def test_sharded_resume_on_the_same_processes_is_exact(runs):
     out = _resume_copy(runs, "resumed2")
+    run(TORCHRUN + ["--nproc_per_node=2", "-m", "bigbatch.cli"],
+        runs["common"] + ["--batch-size", "8", "--fsdp", "--resume", str(out)], out)
+    assert max_diff(weights(out / "final"), weights(runs["two"] / "final")) == 0.0
+
+
+def _children(pid):
+    """The pids whose parent is ``pid`` (Linux's /proc)."""
+    out = []
+    for stat in __import__("pathlib").Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the ranks in /proc")
+def test_a_rank_killed_right_after_a_sharded_checkpoint_resumes_exactly(runs):
+    """SIGKILL of one rank as soon as checkpoint 1 is in place (torchrun then stops the
+    other): --resume on 2 processes ends with the uninterrupted run's weights, bit for bit."""
+    import signal
+    import time
+
+    out = runs["root"] / "killed"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", BIGBATCH_NO_PROGRESS="1")
+    with open(runs["root"] / "killed.log", "w") as log:
+        proc = subprocess.Popen(TORCHRUN + ["--nproc_per_node=2", "-m", "bigbatch.cli", "train",
+                                            *runs["common"], "--batch-size", "8", "--fsdp",
+                                            "--output-dir", str(out)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 600
+        while not (out / "checkpoint-000001" / "manifest.json").exists():
+            assert proc.poll() is None and time.time() < deadline, \
+                (runs["root"] / "killed.log").read_text()[-3000:]
+            time.sleep(0.02)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGKILL)
+        proc.wait(timeout=600)
+    assert proc.returncode != 0 and not (out / "final").exists()
     run(TORCHRUN + ["--nproc_per_node=2", "-m", "bigbatch.cli"],
         runs["common"] + ["--batch-size", "8", "--fsdp", "--resume", str(out)], out)
     assert max_diff(weights(out / "final"), weights(runs["two"] / "final")) == 0.0
