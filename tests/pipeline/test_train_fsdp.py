@@ -3,7 +3,7 @@ sharded run follows one process on the global batch (losses, gradient norms, eva
 final weights); its checkpoints are written sharded by both processes; ``final/`` loads in
 sentence-transformers with the unsharded run's embeddings; a resume on 2 processes is
 exact (also after one rank was killed with SIGKILL right after a checkpoint) and one on 1
-process continues, resharded; bad input is refused before step 1.
+or 4 processes continues, resharded; bad input is refused before step 1.
 
 The torchrun runs take a minute or more each on 2 shared cores: they are marked slow (the
 float64 test of the sharding itself, tests/distributed/test_fsdp.py, runs by default)."""
@@ -352,3 +352,14 @@ def test_a_sharded_vision_language_model_follows_one_process(runs):
         assert abs(r2["loss"] - r1["loss"]) <= 1e-5 * abs(r1["loss"])
     (e2,), (e1,) = rows(root / "vl2", "eval"), rows(root / "vl1", "eval")
     assert abs(e2["ndcg@10"] - e1["ndcg@10"]) <= 1e-6
+
+
+@pytest.mark.slow
+def test_sharded_resume_on_four_processes_continues_resharded(runs):
+    out = _resume_copy(runs, "resumed4")
+    proc = run(TORCHRUN + ["--nproc_per_node=4", "-m", "bigbatch.cli"],
+               runs["common"] + ["--batch-size", "4", "--fsdp", "--resume", str(out)], out)
+    assert "resharding checkpoint-000001: written by 2 process(es), continued on 4" in \
+        proc.stdout
+    assert max_diff(weights(out / "final"), weights(runs["two"] / "final")) <= 1e-5
+    assert rows(out)[-1]["step"] == 2
