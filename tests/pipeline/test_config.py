@@ -209,6 +209,15 @@ def test_a_home_relative_path_in_yaml_is_expanded(tmp_path, monkeypatch):
         (str(tmp_path / "m"), str(tmp_path / "data.jsonl"), str(tmp_path / "runs" / "x"))
 
 
+def test_resume_auto_is_kept_as_a_word_not_made_a_path(tmp_path):
+    """``--resume auto`` (flag or YAML) was resolved like a path, to ``<cwd>/auto``, and a
+    run under torchrun then found no checkpoint there; a folder named so is still a path."""
+    from bigbatch.train.option_values import resolve_path
+
+    assert resolve_path("resume", "auto", tmp_path) == "auto"
+    assert resolve_path("resume", "runs/auto", tmp_path) == str(tmp_path / "runs" / "auto")
+
+
 @pytest.mark.parametrize("flag, block_size, dense", [(None, None, False), (0, None, True),
                                                       (256, 256, False)])
 def test_loss_block_size_reaches_the_loss(flag, block_size, dense):

@@ -215,8 +215,8 @@ def resolve_path(key: str, value: Any, base: Path) -> Any:
     is no folder there stays as given: a hub name (``namespace/name``)."""
     if key in _SOURCE_OPTIONS:
         return _sources_resolved(value, base)
-    if not isinstance(value, str) or not value:
-        return value
+    if not isinstance(value, str) or not value or (key == "resume" and value == "auto"):
+        return value  # (--resume auto: this output folder's run, not a path)
     path = Path(value).expanduser()
     if not path.is_absolute():
         if key in ("model", "guide_model") and not (base / path).exists():
