@@ -83,3 +83,31 @@ def qq_dd_loss(q: Tensor, d: Tensor, scale: Tensor, qq: bool, dd: bool,
 
 def normalized(rows: int, dim: int, gen: torch.Generator | None = None) -> Tensor:
     return F.normalize(torch.randn(rows, dim, dtype=torch.float64, generator=gen), dim=-1)
+
+
+def queue_objective(q, d, queue, scale, k, doc_ids, query_ids, symmetric=False):
+    """InfoNCE whose denominators also hold the queued documents, one row at a time: a
+    document with the positive's id is left out, and a queued one that was the positive of
+    the row's query. ``queue``: (embeddings, ids, query ids), the embeddings constants."""
+    q_emb, q_ids, q_owners = queue
+    b, n = q.shape[0], d.shape[0]
+    g = k + 1
+    total = 0
+    for i in range(b):
+        p = i * g
+        terms = [scale * (q[i] @ d[j]) for j in range(n)
+                 if j == p or doc_ids[j] != doc_ids[p]]
+        terms += [scale * (q[i] @ q_emb[j]) for j in range(len(q_ids))
+                  if q_ids[j] != doc_ids[p] and (q_owners[j] is None
+                                                 or q_owners[j] != query_ids[i])]
+        total = total + torch.logsumexp(torch.stack(terms), 0) - scale * (q[i] @ d[p])
+    forward = total / b
+    if not symmetric:
+        return forward
+    back = 0
+    for i in range(b):  # each positive against the queries (same-id positives left out)
+        p = i * g
+        terms = [scale * (d[p] @ q[j]) for j in range(b)
+                 if j == i or doc_ids[j * g] != doc_ids[p]]
+        back = back + torch.logsumexp(torch.stack(terms), 0) - scale * (d[p] @ q[i])
+    return 0.5 * (forward + back / b)

@@ -68,10 +68,14 @@ class StepResult:
         loss: the detached full-batch loss (unscaled, even with a GradScaler).
         metrics: the loss's detached metrics (0-d tensors), e.g. ``pos_sim``, ``accuracy``;
             a metric given as a plain number becomes a tensor on the loss's device.
+        embeddings: the detached embeddings the loss saw of the towers named in
+            ``GradCache(keep_embeddings=...)`` (the global batch's, in rank order, under
+            ``cross_device``), e.g. for a queue of earlier steps' documents; else empty.
     """
 
     loss: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    embeddings: dict[str, Embedding] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         dev = self.loss.device
@@ -183,6 +187,9 @@ class GradCache:
             reduce-scatter once, on the last replay that reaches them.
         params: the parameters to synchronise, when a tower is a plain function whose
             parameters the engine cannot find (default: the towers' and the loss's).
+        keep_embeddings: towers whose detached embeddings, as the loss saw them, each
+            step returns in :attr:`StepResult.embeddings` (default: none; they are kept
+            until the caller lets the result go).
 
     Raises:
         ConfigError: bad options (chunk size <= 0, a loss that does not take a tower's name,
@@ -205,7 +212,8 @@ class GradCache:
                  cross_device: bool = True,
                  process_group: Any = None,
                  sync_gradients: bool = True,
-                 params: Any = None) -> None:
+                 params: Any = None,
+                 keep_embeddings: tuple[str, ...] = ()) -> None:
         if not isinstance(towers, Mapping) or not towers:
             raise ConfigError("towers must be a non-empty dict {name: callable}, e.g. "
                               "{'query': encoder, 'doc': encoder}")
@@ -247,6 +255,11 @@ class GradCache:
         self.process_group = process_group
         self.sync_gradients = sync_gradients
         self._explicit_params = None if params is None else list(params)
+        unknown = [n for n in keep_embeddings if n not in self.towers]
+        if unknown:
+            raise ConfigError(f"keep_embeddings names unknown tower(s) {unknown}; towers are "
+                              f"{list(self.towers)}")
+        self.keep_embeddings = tuple(keep_embeddings)
         self.last_sync_calls = 0  # collectives the last step used to synchronise gradients
         self._where = ""  # where in the step this rank is, for a failure's message
         self._loss_args = LossArguments(loss_fn, self.towers)
@@ -318,7 +331,8 @@ class GradCache:
             self._embed_all(runs)                                        # (1) no gradients
             total, metrics = self._loss_and_backward(runs, loss_kwargs)  # (2) dL/d(embedding)
             self._replay_all(runs, ranks.fsdp)                           # (3) with gradients
-        return StepResult(total, metrics)
+        return StepResult(total, metrics, {r.name: E.detached(r.reps) for r in runs
+                                           if r.name in self.keep_embeddings})
 
     def _step_across_ranks(self, ranks: rank_step.RankStep, inputs: dict[str, Any]) -> StepResult:
         """:meth:`step` under ``torch.distributed``: the same three stages, with the
@@ -359,7 +373,7 @@ class GradCache:
         calls = ranks.sync_gradients(params, failure, where)
         if calls is not None:
             self.last_sync_calls = calls
-        return StepResult(loss.total, loss.metrics)
+        return StepResult(loss.total, loss.metrics, loss.embeddings)
 
     # ------------------------------------------------------------ step stages
     def _embed_all(self, runs: list[_TowerRun]) -> None:
@@ -749,7 +763,8 @@ class GradCache:
                                   cross_device=self.cross_device,
                                   check_finite=self.check_finite,
                                   sync_gradients=self.sync_gradients,
-                                  params=self._explicit_params, scaler=self.scaler)
+                                  params=self._explicit_params, scaler=self.scaler,
+                                  keep_embeddings=self.keep_embeddings)
 
     def _autocast(self, device: torch.device | None) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:

@@ -159,6 +159,7 @@ class LossOutcome:
     metrics: dict[str, Any] = field(default_factory=dict)
     failure: Exception | None = None
     where: str = ""
+    embeddings: dict[str, Embedding] = field(default_factory=dict)  # keep_embeddings
 
 
 class RankStep:
@@ -172,12 +173,14 @@ class RankStep:
         sync_gradients: sum the gradients over ranks at the end of the step.
         params: the parameters to synchronise (None: the towers' and the loss's).
         scaler: a ``GradScaler`` that scales the loss before its backward, or None.
+        keep_embeddings: towers whose detached embeddings the loss saw (the gathered global
+            batch's when cross-device) the outcome of :meth:`loss_and_backward` carries.
     """
 
     def __init__(self, towers: Mapping[str, Any], loss_fn: Callable[..., Any], *,
                  group: Any = None, cross_device: bool = True, check_finite: bool = True,
                  sync_gradients: bool = True, params: list[nn.Parameter] | None = None,
-                 scaler: Any = None) -> None:
+                 scaler: Any = None, keep_embeddings: tuple[str, ...] = ()) -> None:
         self.towers = towers
         self.loss_fn = loss_fn
         self.group = group
@@ -186,6 +189,7 @@ class RankStep:
         self.sync = sync_gradients
         self.params = params
         self.scaler = scaler
+        self.keep_embeddings = keep_embeddings
         self.distributed = D.is_distributed(group)
         self.fsdp = fsdp_modules(towers)
         self.tokens: dict[str, int] = {}  # the longest token row of all ranks, per token tower
@@ -333,9 +337,11 @@ class RankStep:
         world = D.world_info(group).world_size
         state = D.GatherState()
         where, total, metrics = "in the loss", None, {}
+        seen = reps  # the embeddings the loss sees
         try:
             if self.cross_device:
                 gathered = self.gather(reps, counts, state)
+                seen = gathered.reps
                 if hasattr(self.loss_fn, "cross_device_forward"):
                     part, total, metrics = self.loss_fn.cross_device_forward(gathered,
                                                                             **loss_kwargs)
@@ -372,7 +378,8 @@ class RankStep:
             if not state.pending:  # no collective before the sync: share it there
                 return LossOutcome(failure=e, where=where)
             D.share_failure(e, state.fail_backward(), group, where)
-        return LossOutcome(total.detach(), metrics)
+        return LossOutcome(total.detach(), metrics,
+                           embeddings={n: E.detached(seen[n]) for n in self.keep_embeddings})
 
     def _check_global_loss(self, total: Any) -> None:
         """A cross-device loss is the same on every rank: each can check it alone."""

@@ -9,6 +9,8 @@
 - :mod:`~bigbatch.losses.matryoshka`: :class:`Matryoshka`, any loss at several widths;
 - :mod:`~bigbatch.losses.guided`: a guide model's false-negative filter (GISTEmbed);
 - :mod:`~bigbatch.losses.distill`: a teacher's scores (KL, MarginMSE);
+- :mod:`~bigbatch.losses.queue`: earlier steps' documents as extra negatives
+  (:class:`NegativeQueue`, :class:`QueuedDocs`);
 - :mod:`~bigbatch.losses.layout`: the layout rules, in plain Python (the JAX losses share it).
 
 The losses import the engine's types only; the engine imports no loss. The names here are
@@ -22,7 +24,7 @@ from .._lazy import lazy_names
 __all__ = ["LogitScale", "LossOutput", "PartialLoss", "TemperatureLoss", "ids_tensor",
            "CorpusInfoNCE", "InfoNCE", "EXTRA_NEGATIVES", "MAX_BLOCK_LOGITS", "STATS",
            "extra_negatives_of", "hard_negative_count", "initial_log_scale", "rows_per_block",
-           "Matryoshka", "MaxSimInfoNCE"]
+           "Matryoshka", "MaxSimInfoNCE", "NegativeQueue", "QueuedDocs"]
 
 # resolved when first used: the torch-free layout rules (what bigbatch.jax imports) do not
 # import torch through this package's face
@@ -30,7 +32,7 @@ __getattr__, __dir__ = lazy_names(__name__, {
     **dict.fromkeys(("LogitScale", "LossOutput", "PartialLoss", "TemperatureLoss", "ids_tensor"),
                     ".base"),
     "CorpusInfoNCE": ".corpus", "InfoNCE": ".infonce", "Matryoshka": ".matryoshka",
-    "MaxSimInfoNCE": ".maxsim",
+    "MaxSimInfoNCE": ".maxsim", "NegativeQueue": ".queue", "QueuedDocs": ".queue",
     **dict.fromkeys(("EXTRA_NEGATIVES", "MAX_BLOCK_LOGITS", "STATS", "extra_negatives_of",
                      "hard_negative_count", "initial_log_scale", "rows_per_block"), ".layout")})
 
@@ -49,3 +51,4 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
     )
     from .matryoshka import Matryoshka
     from .maxsim import MaxSimInfoNCE
+    from .queue import NegativeQueue, QueuedDocs

@@ -57,6 +57,9 @@ class Exclusions:
         own_group: when set (the group's width), every column outside the row's own group
             ``[pos_i, pos_i + own_group)`` is excluded: no in-batch negatives, only the
             row's own hard negatives (classification-style data, whose labels repeat).
+        col_groups, row_groups: a second id per column and per row (a column's negative
+            value matches no row): a column with its row's group is excluded (a queued
+            document that was the positive of the row's query, :mod:`bigbatch.losses.queue`).
     """
 
     col_ids: Tensor | None = None
@@ -68,6 +71,8 @@ class Exclusions:
     guide_cols: Tensor | None = None
     guide_rule: GuideRule = GuideRule()
     own_group: int | None = None
+    col_groups: Tensor | None = None
+    row_groups: Tensor | None = None
 
     def mask(self, sim: Tensor, pos: Tensor, pos_sim: Tensor, lo: int, hi: int) -> Tensor | None:
         """The boolean ``(hi - lo, N)`` mask of excluded columns of rows ``lo:hi`` (whose
@@ -76,6 +81,9 @@ class Exclusions:
         mask = None
         if self.col_ids is not None:
             mask = self.col_ids[None, :] == self.row_ids[lo:hi, None]
+        if self.col_groups is not None:
+            same = self.col_groups[None, :] == self.row_groups[lo:hi, None]
+            mask = same if mask is None else mask.logical_or_(same)
         if self.margin is not None:
             over = sim > (pos_sim + self.margin)[:, None]
             if self.margin_cols is not None:

@@ -28,12 +28,17 @@ Two optional terms ride on the same pass: a frozen guide model's embeddings
 (``guide_query``, ``guide_doc``) mask the negatives it scores above the positive
 (:mod:`bigbatch.losses.guided`, GISTEmbed), and teacher scores (``teacher_scores``) add a
 distillation term by weight (:mod:`bigbatch.losses.distill`, KL or MarginMSE).
+
+``queued`` (:class:`~bigbatch.losses.queue.QueuedDocs`, earlier steps' document embeddings)
+adds columns to every query's denominator, as constants: no gradient flows into them. A
+queued document is left out of query ``i``'s negatives where its id equals the id of ``i``'s
+positive, or where it was the positive of a query whose id is ``query_ids[i]``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -52,11 +57,27 @@ from .layout import (
     loss_block_bytes,
     rows_per_block,
 )
+from .queue import QueuedDocs, queue_codes
 
 if TYPE_CHECKING:
     from ..engine.distributed import Gathered
 
 __all__ = ["InfoNCE"]
+
+
+class _QueueColumns(NamedTuple):
+    """The queued documents as columns of one step: embeddings, their id codes (in the
+    batch's numbering; None: no ids), their query codes and this process's rows' query codes
+    (None: no query ids)."""
+
+    doc: Tensor
+    ids: Tensor | None
+    groups: Tensor | None
+    row_groups: Tensor | None
+
+
+_GUIDE_AND_QUEUE = ("a guide model (guided false-negative filtering) cannot be combined with a "
+                    "negative queue yet (the queue keeps no guide embeddings); use one of them")
 
 # the sums InfoNCE keeps beside the STATS of blockwise: negatives the guide masked (forward
 # direction) and the distillation objective's sum over queries
@@ -121,6 +142,15 @@ class InfoNCE(TemperatureLoss):
             guided false-negative filtering, by ``guide_margin``.
         teacher_scores: ``(B, 1 + k)`` teacher scores of each query's positive and hard
             negatives, in the documents' order; required with ``distill``.
+        queued: optional :class:`~bigbatch.losses.queue.QueuedDocs`, earlier steps'
+            document embeddings (``(M, D)``, with ids): extra negatives of every query, as
+            constants (a queue: :class:`~bigbatch.losses.queue.NegativeQueue`). One whose id
+            is a query's positive's id (``doc_ids``), or that was the positive of a query
+            with the query's id (``query_ids``), is no negative of that query. The same on
+            every rank under ``cross_device_forward``. Not with a guide, ``extra_negatives``
+            or ``in_batch_negatives=False``.
+        query_ids: optional, one id per query (this process's), compared with the queued
+            documents' ``query_ids`` only.
 
     Returns:
         :class:`LossOutput` ``(loss, metrics)``; metrics are detached 0-d tensors:
@@ -128,7 +158,9 @@ class InfoNCE(TemperatureLoss):
         negatives), ``inbatch_neg_sim``, ``hard_neg_sim`` (only when k > 0), ``margin``
         (``pos_sim - neg_sim``), ``accuracy`` (top-1, query to document), ``temperature``,
         ``masked`` (number of negatives masked out, by any rule), ``guide_masked`` (those the
-        guide masked, with a guide) and ``distill`` (the distillation term, unweighted).
+        guide masked, with a guide), ``distill`` (the distillation term, unweighted) and
+        ``queued`` (the queued documents, with ``queued``; they count among the negatives
+        of ``neg_sim`` and ``inbatch_neg_sim``).
 
     Example::
 
@@ -185,15 +217,19 @@ class InfoNCE(TemperatureLoss):
                    col_ids: Tensor | None, row_ids: Tensor | None,
                    with_stats: bool, pairs: Tensor | None = None,
                    margin_cols: int | None = None,
-                   guides: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+                   guides: tuple[Tensor, Tensor] | None = None,
+                   groups: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """Sum of the per-row losses and stats of one direction, streamed or dense
-        (``guides``: the guide's embeddings of the rows and of the columns)."""
+        (``guides``: the guide's embeddings of the rows and of the columns; ``groups``: the
+        rows' and the columns' query codes, equal ones excluded)."""
         block = rows_per_block(cols.shape[0], self.block_size, self.dense, self.max_block_logits)
         g_rows, g_cols = guides if guides is not None else (None, None)
         exclude = Exclusions(col_ids=col_ids, row_ids=row_ids, margin=self.false_negative_margin,
                              pairs=pairs, margin_cols=margin_cols,
                              guide_rows=g_rows, guide_cols=g_cols, guide_rule=self.guide_rule,
-                             own_group=None if self.in_batch_negatives else group)
+                             own_group=None if self.in_batch_negatives else group,
+                             row_groups=None if groups is None else groups[0],
+                             col_groups=None if groups is None else groups[1])
         return cross_entropy_sum(rows, cols, pos, scale, block=block, group=group,
                                  exclude=exclude, with_stats=with_stats)
 
@@ -232,16 +268,71 @@ class InfoNCE(TemperatureLoss):
         """The extra columns of a row (its own query and positive among them)."""
         return b_total * ("qq" in self.extra_negatives) + n_total * ("dd" in self.extra_negatives)
 
+    @staticmethod
+    def _queue_columns(d_all: Tensor, ids_all: Tensor | None, queue: _QueueColumns,
+                       dtype: torch.dtype
+                       ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
+        """The documents then the queued ones as columns, with their ids (queued documents
+        without ids get ids no document has) and the rows' and columns' query codes (the
+        batch's documents -1: matched by no row)."""
+        cols = torch.cat([d_all, queue.doc.to(device=d_all.device, dtype=dtype)])
+        col_ids = None
+        if ids_all is not None:
+            q_ids = queue.ids if queue.ids is not None else \
+                ids_all.max() + 1 + torch.arange(len(queue.doc), device=d_all.device)
+            col_ids = torch.cat([ids_all, q_ids])
+        groups = None
+        if queue.groups is not None:
+            groups = (queue.row_groups, torch.cat([queue.groups.new_full((d_all.shape[0],), -1),
+                                                   queue.groups]))
+        return cols, col_ids, groups
+
+    def _check_queue(self, queued: QueuedDocs | None, width: int) -> None:
+        """Check ``queued`` against the loss's settings and the embeddings' ``width``.
+
+        Raises:
+            ConfigError: a queue with ``extra_negatives`` or ``in_batch_negatives=False``.
+            ShapeError: queued documents of another width, or ids of another length.
+        """
+        if queued is None:
+            return
+        if not isinstance(queued, QueuedDocs):
+            raise InputError(f"queued must be a bigbatch.losses.queue.QueuedDocs, got "
+                             f"{type(queued).__name__}")
+        if self.extra_negatives:
+            raise ConfigError("a negative queue cannot be combined with extra_negatives "
+                              "(qq/dd) yet; use one of them")
+        if not self.in_batch_negatives:
+            raise ConfigError("a negative queue adds other documents as negatives; it does not "
+                              "apply with in_batch_negatives=False (a query scored against its "
+                              "own documents only)")
+        queued.check(width)
+
+    @staticmethod
+    def _coded_queue(queued: QueuedDocs, doc_ids: Tensor | Sequence[Hashable] | None, n: int,
+                     query_ids: Tensor | Sequence[Hashable] | None, b: int,
+                     device: torch.device) -> tuple[Tensor | None, _QueueColumns]:
+        """The documents' id codes (``n`` of them, the gathered batch's under
+        cross_device_forward) and the queue's columns, coded in one numbering with them;
+        ``query_ids``: this process's ``b`` queries'."""
+        ids_all, q_ids = queue_codes(doc_ids, queued.ids, n, device, "doc_ids")
+        if ids_all is None and doc_ids is not None:  # the queue has no ids: none matches
+            ids_all = ids_tensor(doc_ids, n, device, "doc_ids")
+        rows, groups = queue_codes(query_ids, queued.query_ids, b, device, "query_ids")
+        return ids_all, _QueueColumns(queued.doc.detach(), q_ids, groups, rows)
+
     def _compute(self, q_all: Tensor, d_all: Tensor, q_lo: int, b_local: int, d_lo: int,
                  b_total: int, k: int, ids_all: Tensor | None,
                  q_pos_all: Tensor, guides_all: tuple[Tensor, Tensor] | None = None,
-                 teacher: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 teacher: Tensor | None = None, queue: _QueueColumns | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
         """This process's part of the loss: rows ``q_lo:q_lo+b_local`` of the queries against all
         documents (and, if symmetric, their positives against all queries), divided by the
         total query count; plus the distillation term of these queries' groups against
         ``teacher`` (this process's ``(b_local, 1 + k)`` scores). ``guides_all``: the guide's
-        embeddings of all queries and all documents. Returns (part, the :data:`STATS` sums
-        then the :data:`EXTRA_STATS` sums, logit scale)."""
+        embeddings of all queries and all documents; ``queue``: the queued documents, extra
+        columns of the forward direction. Returns (part, the :data:`STATS` sums then the
+        :data:`EXTRA_STATS` sums, logit scale)."""
         group = k + 1
         dtype = torch.promote_types(torch.promote_types(q_all.dtype, d_all.dtype), torch.float32)
         q_all, d_all = q_all.to(dtype), d_all.to(dtype)
@@ -260,6 +351,10 @@ class InfoNCE(TemperatureLoss):
                 q_all, d_all, q_lo, b_local, pos, ids_all)
             loss_sum, st = self._direction(rows, cols, pos, scale, group, col_ids, row_ids,
                                            True, pairs, margin_cols)
+        elif queue is not None:
+            cols, col_ids, groups = self._queue_columns(d_all, ids_all, queue, dtype)
+            loss_sum, st = self._direction(q_all[q_lo:q_lo + b_local], cols, pos, scale, group,
+                                           col_ids, row_ids, True, groups=groups)
         else:
             loss_sum, st = self._direction(q_all[q_lo:q_lo + b_local], d_all, pos, scale, group,
                                            ids_all, row_ids, True,
@@ -363,24 +458,39 @@ class InfoNCE(TemperatureLoss):
     def forward(self, query: Tensor, doc: Tensor,
                 doc_ids: Tensor | Sequence[Hashable] | None = None,
                 guide_query: Tensor | None = None, guide_doc: Tensor | None = None,
-                teacher_scores: Tensor | Sequence[Sequence[float]] | None = None) -> LossOutput:
+                teacher_scores: Tensor | Sequence[Sequence[float]] | None = None,
+                queued: QueuedDocs | None = None,
+                query_ids: Tensor | Sequence[Hashable] | None = None) -> LossOutput:
         self._check(query, doc)
+        self._check_queue(queued, doc.shape[1])
         b, n = query.shape[0], doc.shape[0]
         k = hard_negative_count(b, n)
-        ids = None if doc_ids is None else ids_tensor(doc_ids, n, query.device, "doc_ids")
+        queue = None
+        if queued is not None:
+            ids, queue = self._coded_queue(queued, doc_ids, n, query_ids, b, query.device)
+        else:
+            ids = None if doc_ids is None else ids_tensor(doc_ids, n, query.device, "doc_ids")
         q_pos = torch.arange(b, device=query.device) * (k + 1)
         guides, teacher = self._local_extras(b, n, k, torch.float64, query.device, guide_query,
                                              guide_doc, teacher_scores)
-        loss, st, scale = self._compute(query, doc, 0, b, 0, b, k, ids, q_pos, guides, teacher)
-        metrics = self._metrics(st[:len(STATS)], scale, b, n + self._extra_count(b, n), k,
+        if guides is not None and queue is not None:
+            raise ConfigError(_GUIDE_AND_QUEUE)
+        loss, st, scale = self._compute(query, doc, 0, b, 0, b, k, ids, q_pos, guides, teacher,
+                                        queue)
+        m = 0 if queue is None else len(queue.doc)
+        metrics = self._metrics(st[:len(STATS)], scale, b, n + m + self._extra_count(b, n), k,
                                 len(self.extra_negatives))
         metrics.update(self._extra_metrics(st[len(STATS):], b, guides is not None))
+        if queue is not None:
+            metrics["queued"] = torch.tensor(float(m), device=loss.device)
         return LossOutput(loss, metrics)
 
     def cross_device_forward(self, gathered: "Gathered",
                              doc_ids: Tensor | Sequence[Hashable] | None = None,
                              guide_query: Tensor | None = None, guide_doc: Tensor | None = None,
-                             teacher_scores: Tensor | Sequence[Sequence[float]] | None = None
+                             teacher_scores: Tensor | Sequence[Sequence[float]] | None = None,
+                             queued: QueuedDocs | None = None,
+                             query_ids: Tensor | Sequence[Hashable] | None = None
                              ) -> PartialLoss:
         """This rank's part of the global-batch loss (see :mod:`bigbatch.engine.distributed`).
 
@@ -390,10 +500,13 @@ class InfoNCE(TemperatureLoss):
         count makes the parts sum to the global loss. Metrics and the total are summed over
         ranks in one all-reduce, so they are the global batch's, identical on every rank.
         ``guide_query`` and ``guide_doc`` are this rank's rows, gathered like the embeddings
-        (without gradient); ``teacher_scores`` are this rank's queries'.
+        (without gradient); ``teacher_scores`` are this rank's queries'. ``queued`` is the
+        same on every rank (the global batch's earlier documents), ``query_ids`` this rank's
+        queries'.
         """
         q_all, d_all = gathered.reps["query"], gathered.reps["doc"]
         self._check(q_all, d_all)
+        self._check_queue(queued, d_all.shape[1])
         bq, nd = gathered.counts["query"], gathered.counts["doc"]
         ks = {hard_negative_count(b, n) if b else -1 for b, n in zip(bq, nd)} - {-1}
         if len(ks) != 1:
@@ -403,7 +516,7 @@ class InfoNCE(TemperatureLoss):
         k = ks.pop()
         group = k + 1
         dev = q_all.device
-        ids_all = None
+        ids_all: Tensor | list | None = None
         if doc_ids is not None:
             local_n = nd[gathered.rank]
             local: Tensor | list = []
@@ -423,21 +536,24 @@ class InfoNCE(TemperatureLoss):
                 raise ShapeError(f"doc_ids is a tensor on rank(s) "
                                  f"{[r for r, k in enumerate(kinds[:, 0].tolist()) if k]} and a "
                                  f"list on the others; give the same kind on every rank")
-            if isinstance(local, Tensor):
-                ids_all = gathered.gather_values("doc", local)
-            else:
-                ids_all = ids_tensor(gathered.gather_values("doc", local), sum(nd), dev,
-                                      "doc_ids")
+            ids_all = gathered.gather_values("doc", local)
+            if not isinstance(local, Tensor) and queued is None:  # (with a queue: coded below)
+                ids_all = ids_tensor(ids_all, sum(nd), dev, "doc_ids")
         q_pos_all = torch.cat([d_off + torch.arange(b, device=dev) * group
                                for d_off, b in zip(gathered.offsets["doc"], bq)])
         rank = gathered.rank
         guides, teacher = self._gathered_extras(gathered, k, guide_query, guide_doc,
                                                 teacher_scores)
-        failure, stats = None, None
+        if guides is not None and queued is not None:
+            raise ConfigError(_GUIDE_AND_QUEUE)
+        failure, stats, queue = None, None, None
         try:  # an out-of-memory in the logits on one rank: all ranks raise in the all-reduce
+            if queued is not None:  # bad query_ids on one rank: all ranks raise there too
+                ids_all, queue = self._coded_queue(queued, ids_all, sum(nd), query_ids, bq[rank],
+                                                   dev)
             part, st, scale = self._compute(q_all, d_all, gathered.offsets["query"][rank],
                                             bq[rank], gathered.offsets["doc"][rank], sum(bq), k,
-                                            ids_all, q_pos_all, guides, teacher)
+                                            ids_all, q_pos_all, guides, teacher, queue)
             stats = torch.cat([part.detach().reshape(1), st])
         except Exception as e:  # noqa: BLE001 - shared by all_reduce_sum, which raises it
             failure = e
@@ -446,10 +562,13 @@ class InfoNCE(TemperatureLoss):
             stats = torch.zeros(1 + len(STATS) + len(EXTRA_STATS), dtype=dtype, device=dev)
         summed = gathered.all_reduce_sum(stats, failure)
         b_all, n_all = sum(bq), sum(nd)
+        m = 0 if queued is None else len(queued)
         metrics = self._metrics(summed[1:1 + len(STATS)], scale, b_all,
-                                n_all + self._extra_count(b_all, n_all), k,
+                                n_all + m + self._extra_count(b_all, n_all), k,
                                 len(self.extra_negatives))
         metrics.update(self._extra_metrics(summed[1 + len(STATS):], b_all, guides is not None))
+        if queued is not None:
+            metrics["queued"] = torch.tensor(float(m), device=dev)
         return PartialLoss(part, summed[0], metrics)
 
     def _gathered_extras(self, gathered: "Gathered", k: int, guide_query: Tensor | None,

@@ -14,7 +14,8 @@ For widths ``m_1 > m_2 > ...`` with weights ``w_i``::
     loss = sum_i w_i * L(normalize(query[:, :m_i]), normalize(doc[:, :m_i]), ...)
 
 Token embeddings (:class:`bigbatch.TokenEmbeddings`, late interaction) are truncated per
-token. A loss that holds fixed embeddings of its own (``CorpusInfoNCE``'s corpus, named in
+token. A negative queue's documents (:class:`~bigbatch.losses.queue.QueuedDocs`) are truncated
+with the batch's. A loss that holds fixed embeddings of its own (``CorpusInfoNCE``'s corpus, named in
 its ``fixed_embeddings`` attribute) has them truncated the same way, once, at construction.
 """
 
@@ -33,6 +34,7 @@ from ..engine.embeddings import TokenEmbeddings
 from ..engine.loss_contract import loss_and_metrics
 from ..errors import ConfigError, ShapeError
 from .base import LossOutput, PartialLoss
+from .queue import QueuedDocs
 
 if TYPE_CHECKING:
     from ..engine.distributed import Gathered
@@ -206,8 +208,13 @@ class Matryoshka(nn.Module):
                 setattr(self.loss, attr, value)
 
     def _cut(self, reps: Mapping[str, Any], dim: int) -> dict[str, Any]:
-        return {k: truncate(v, dim, self.normalize, f"{k!r}") if k in self.inputs else v
-                for k, v in reps.items()}
+        """The embeddings truncated to ``dim``, queued documents (a negative queue's) too."""
+        def cut(k: str, v: Any) -> Any:
+            if isinstance(v, QueuedDocs):
+                return v.with_doc(lambda t: truncate(t, dim, self.normalize, "the queued "
+                                                                                "documents"))
+            return truncate(v, dim, self.normalize, f"{k!r}") if k in self.inputs else v
+        return {k: cut(k, v) for k, v in reps.items()}
 
     def _check_width(self, reps: Mapping[str, Any]) -> None:
         """A width above the embeddings' is refused for every input, before any loss."""
@@ -259,7 +266,8 @@ class Matryoshka(nn.Module):
         for d in self.dims:
             at_d = dataclasses.replace(gathered, reps=self._cut(gathered.reps, d))
             with self._at(d):
-                part, total, metrics = self.loss.cross_device_forward(at_d, **kwargs)
+                part, total, metrics = self.loss.cross_device_forward(at_d,
+                                                                      **self._cut(kwargs, d))
             parts.append(part)
             totals.append(total)
             outs.append((total, metrics))

@@ -270,7 +270,8 @@ def build_cache(config: TrainConfig, encoder: Any, loss_fn: torch.nn.Module, cor
                   if not (direct and name == "query")}
     options = dict(collate_fn=collate, autocast_dtype=AUTOCAST_DTYPES[config.dtype],
                    scaler=scaler, device=device, sort_by_length=True,
-                   cross_device=corpus is None, chunk_tokens=tokens)
+                   cross_device=corpus is None, chunk_tokens=tokens,
+                   keep_embeddings=("doc",) if config.negative_queue else ())  # for the queue
     if engine is not None:  # (auto sizes are refused with --deepspeed)
         from ..integrations.deepspeed import deepspeed_cache
         return deepspeed_cache(engine, loss_fn, chunks, towers=list(towers), **options)

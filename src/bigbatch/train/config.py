@@ -166,6 +166,13 @@ class TrainConfig:
         "qq, dd or qq,dd: add the other queries (qq) and the positive's similarities to the "
         "other documents (dd) to each query's softmax denominator, as Qwen3-Embedding trains "
         "(default: none)"))
+    negative_queue: int = option(0, section="loss", help=(
+        "keep the document embeddings of the last N steps (the global batch's, with their "
+        "ids) as extra negatives of every query, MoCo-style: they are stale (embedded by "
+        "earlier weights) and constants (no gradient through them), so this is not the "
+        "objective of an N+1 times larger batch; a queued document that is a query's "
+        "positive, or was the same query's positive, is masked; checkpoints keep the queue "
+        "(default: 0, off)"))
     grad_cache_tokens: int | str | None = option(None, section="engine", help=(
         "padded tokens per GradCache chunk at most: a chunk holds as many texts as fit "
         "(longest first), so mixed short and long texts keep one chunk's memory bounded; "
@@ -601,6 +608,27 @@ class TrainConfig:
             if self.doc_negatives == "corpus":
                 raise bad("extra_negatives", "needs the batch's documents (not --doc-negatives "
                                              "corpus)")
+        self._validate_queue(bad)
+
+    def _validate_queue(self, bad: Any) -> None:
+        """``--negative-queue``: one vector per text, the batch's own documents, and no
+        objective that the queued documents have no inputs for (qq/dd, a guide)."""
+        if isinstance(self.negative_queue, bool) or self.negative_queue < 0:
+            raise bad("negative_queue", "must be >= 0 (steps of documents kept; 0: off)")
+        if not self.negative_queue:
+            return
+        if self.pooling == "multivector":
+            raise bad("negative_queue", "keeps one vector per document; not with --pooling "
+                                        "multivector (late interaction)")
+        if self.doc_negatives == "corpus":
+            raise bad("negative_queue", "queues the batch's documents; --doc-negatives corpus "
+                                        "already scores every document")
+        for name, what in (("extra_negatives", "--extra-negatives (qq/dd)"),
+                           ("guide_model", "--guide-model (the queue keeps no guide "
+                                           "embeddings)")):
+            if getattr(self, name):
+                raise bad("negative_queue", f"cannot be combined with {what} yet; use one of "
+                                            f"them")
 
     @property
     def full_finetune(self) -> bool:

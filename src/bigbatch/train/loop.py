@@ -71,6 +71,7 @@ from .memory_check import (
     plan_run_chunks,
 )
 from .model_memory import describe_model_memory, run_model_memory
+from .negative_queue import STATE_KEY, RunQueue
 from .outdir import check_output_dir, claim_output_dir, remove_created, run_inputs
 from .preempt import PREEMPTED_EXIT, StopSignals
 from .resume import (
@@ -279,6 +280,8 @@ class Trainer:
         self.chunks_checked = False  # their first step measured (once a run, resumes too)
         self.cache = build_cache(config, self.encoder, self.loss_fn, self.corpus, self.scaler,
                                  device, self.engine, size=self._size_chunks)
+        self.queue = RunQueue(config.negative_queue, info, device, self.sources) \
+            if config.negative_queue else None  # earlier steps' documents, extra negatives
         train_data, num_records = data_identity(self.batches)
         self.state: dict[str, Any] = {
             "step": 0, "epoch": 0, "index": 0, "best": None, "best_step": None, "examples": 0,
@@ -368,6 +371,9 @@ class Trainer:
         self.state = load_sharded_checkpoint(ckpt, **parts, info=info, seed=config.seed,
                                              engine=self.engine) \
             if run_scheme(config) else load_checkpoint(ckpt, **parts, rank=info.rank)
+        queued = self.state.pop(STATE_KEY, None)
+        if self.queue is not None:
+            self.queue.load_state_dict(queued)
         train_data, num_records = data_identity(self.batches)
         check_resumed_data(ckpt, train_data, num_records, self.state, mix_state(self.batches))
         self.state["base_model"] = base
@@ -486,17 +492,20 @@ class Trainer:
         """Write a checkpoint (every rank's random state; the main rank writes, and under
         --fsdp or --deepspeed every rank its shards or partitions)."""
         states = gather_rng_states(self.info)
+        state = dict(self.state)
+        if self.queue is not None:  # the queue the next step takes
+            state[STATE_KEY] = self.queue.state_dict()
         if run_scheme(self.config):
             save_sharded_checkpoint(path, encoder=self.encoder, loss_fn=self.loss_fn,
                                     optimizer=self.optimizer, scheduler=self.scheduler,
-                                    scaler=self.scaler, state=dict(self.state),
+                                    scaler=self.scaler, state=state,
                                     config=self.config, rank_states=states, info=self.info,
                                     engine=self.engine)
             return
         if self.info.is_main:
             save_checkpoint(path, encoder=self.encoder, loss_fn=self.loss_fn,
                             optimizer=self.optimizer, scheduler=self.scheduler,
-                            scaler=self.scaler, state=dict(self.state), config=self.config,
+                            scaler=self.scaler, state=state, config=self.config,
                             rank_states=states)
         barrier(self.info)
 
@@ -592,7 +601,11 @@ class Trainer:
                     extra["teacher_scores"] = torch.tensor(batch.teacher_scores,
                                                            dtype=torch.float64,
                                                            device=self.device)
+                if self.queue is not None:
+                    extra.update(self.queue.arguments(batch))
                 result = step(query=q, doc=d, doc_ids=batch.doc_ids, **extra)
+                if self.queue is not None:  # this step's documents, for the next steps
+                    self.queue.push(result, batch)
         if scaler is not None:
             scaler.unscale_(optimizer)
         if self.engine is not None:  # DeepSpeed clips, steps AdamW and the model's schedule
