@@ -205,7 +205,7 @@ def key_lines(text: str, source: str) -> dict[Any, int]:
 
 
 PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume", "data_root",
-              "guide_model", "deepspeed")
+              "guide_model", "deepspeed", "negatives_corpus")
 _SOURCE_OPTIONS = ("train_data", "eval_data")
 
 
