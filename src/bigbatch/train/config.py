@@ -179,7 +179,8 @@ class TrainConfig:
         "states, one loss block and one chunk's activations"))
     num_hard_negatives: int = option(0, section="data", help=(
         "hard negatives per query (sampled per epoch when a record has more)"))
-    refresh_negatives_every: int | str | None = option(None, section="data", help=(
+    # str | int (not int | str, the chunk sizes' type): read by option_values._steps_or_epoch
+    refresh_negatives_every: str | int | None = option(None, section="data", help=(
         "mine each record's --num-hard-negatives hard negatives again every N steps (or "
         "'epoch'), with the current weights, by bigbatch mine's rules (known positives "
         "excluded, likely false negatives dropped: --negatives-max-score-ratio, "

@@ -19,8 +19,10 @@ folder, or pairs, is mined at step 0 by the starting model.
 - Exact resume: the current negatives (as document ids) and the step they were mined at are
   part of the training state a checkpoint keeps (:meth:`NegativeRefresh.state`); a run
   resumed at a step where a refresh is due mines it then, with the same weights.
-- A pair left with fewer than ``--num-hard-negatives`` after filtering keeps its previous
-  negatives (counted in the log); at step 0, having none, the run stops saying what to widen.
+- A pair left with fewer than ``--num-hard-negatives`` after filtering (``bigbatch mine``
+  would not write it) is completed with documents drawn at random from the pool, never one
+  of the query's positives or a copy of one (FlagEmbedding's miner does the same); the log
+  counts them.
 """
 
 from __future__ import annotations
@@ -166,32 +168,38 @@ class NegativeRefresh:
 
     def _pairs(self, records: Sequence[Any]) -> None:
         """Each record's (query key, positive's id in the pool), the queries and their
-        positives (``qrels``) for mining.
+        positives (``qrels``) for mining, the pool's ids, and each query's documents that
+        may never be its negatives (its positives and every copy of one, by content).
 
         Raises:
-            ConfigError: a record whose positive is no document of the pool.
+            ConfigError: a record whose positive is no document of the pool, or a pool too
+                small to give a query --num-hard-negatives documents besides its positives.
         """
         from ..data.readers.beir_dir import iter_corpus
         from ..data.records.types import doc_key
 
         keys = {records[i].positive_key for i in range(len(records))}
         wanted = {records[i].positive_id for i in range(len(records))}
-        by_key: dict[str, str] = {}  # content key -> the first pool id holding it
-        ids: set[str] = set()
+        holding: dict[str, list[str]] = {}  # a positive's content key -> the pool ids holding it
+        self.pool_ids: list[str] = []
+        found: set[str] = set()
         for block in iter_corpus(self.pool):
             for did, doc in block:
+                self.pool_ids.append(did)
                 if did in wanted:
-                    ids.add(did)
+                    found.add(did)
                 key = doc_key(doc)
-                if key in keys and key not in by_key:
-                    by_key[key] = did
+                if key in keys:
+                    holding.setdefault(key, []).append(did)
         self.pairs: list[tuple[str, str]] = []
         self.queries: dict[str, str] = {}
         self.qrels: dict[str, dict[str, int]] = {}
+        self.excluded: dict[str, set[str]] = {}  # query key -> never its negatives
         missing = []
         for i in range(len(records)):
             r = records[i]
-            pid = r.positive_id if r.positive_id in ids else by_key.get(r.positive_key)
+            pid = r.positive_id if r.positive_id in found else \
+                (holding.get(r.positive_key) or [None])[0]
             if pid is None:
                 missing.append(r)
                 continue
@@ -199,6 +207,7 @@ class NegativeRefresh:
             self.pairs.append((q, pid))
             self.queries[q] = r.query
             self.qrels.setdefault(q, {})[pid] = 1
+            self.excluded.setdefault(q, set()).update({pid, *holding.get(r.positive_key, ())})
         if missing:
             first = missing[0]
             raise ConfigError(f"--refresh-negatives-every: {len(missing)} training record(s) "
@@ -206,6 +215,12 @@ class NegativeRefresh:
                               f"{first.source}, line {first.line}); negatives are mined "
                               f"against the positive's score, so the pool must hold it: give "
                               f"a --negatives-corpus that does")
+        most = max(len(e) for e in self.excluded.values())
+        if len(set(self.pool_ids)) - most < self.options.num_negatives:
+            raise ConfigError(f"--refresh-negatives-every: {self.pool} holds "
+                              f"{len(set(self.pool_ids))} documents, too few for "
+                              f"--num-hard-negatives={self.options.num_negatives} negatives "
+                              f"besides a query's {most} positive(s)")
 
     # ------------------------------------------------------------------ when
     def due(self, step: int, max_steps: int) -> bool:
@@ -213,45 +228,54 @@ class NegativeRefresh:
         return step < max_steps and step % self.every == 0 and self.mined_at != step
 
     # ------------------------------------------------------------------ mining
-    def mine(self, encoder: Any, device: Any) -> list[list[str] | None]:
-        """Each record's newly mined negative ids (None: left short), with the current
-        weights: every rank embeds its share; the main rank's choice on every rank."""
+    def mine(self, encoder: Any, device: Any) -> list[list[str]]:
+        """Each record's newly mined negative ids (as many as survived filtering: up to
+        --num-hard-negatives), with the current weights: every rank embeds its share; the
+        main rank's choice on every rank."""
         from ..retrieval.distributed_eval import split_over_ranks
         from ..retrieval.mining import mine_pairs
         from .main_rank import from_main
 
+        options = dataclasses.replace(self.options, min_negatives=0)  # every pair, short too
         chosen, _ = mine_pairs(split_over_ranks(encoder), self.pool, self.queries, self.qrels,
-                               self.options, device=device, cache_dir=None,
+                               options, device=device, cache_dir=None,
                                progress=self.info.is_main)
         found = {(q, p): negs for q, p, negs, _ in chosen}
+        return from_main([list(found.get(pair, [])) for pair in self.pairs], self.info)
+
+    def _fill(self, i: int, negs: list[str], step: int) -> list[str]:
+        """``negs`` completed to --num-hard-negatives with documents drawn at random from the
+        pool (never a positive of the query or a copy of one, nor a repeat), as FlagEmbedding's
+        miner does when too few candidates survive; the draw depends on the run's seed, the
+        step and the record alone (the same on every rank and after a resume)."""
+        import random
+
         k = self.options.num_negatives
-        mined = [negs if negs is not None and len(negs) == k else None
-                 for negs in (found.get(pair) for pair in self.pairs)]
-        return from_main(mined, self.info)
+        if len(negs) >= k:
+            return negs
+        rng = random.Random(f"{self.config.seed}-refresh-{step}-{i}")
+        never = self.excluded[self.pairs[i][0]]
+        out = list(negs)
+        while len(out) < k:
+            d = self.pool_ids[rng.randrange(len(self.pool_ids))]
+            if d not in never and d not in out:
+                out.append(d)
+        return out
 
     def refresh(self, step: int, encoder: Any, device: Any) -> dict[str, float]:
         """Mine the negatives the steps after ``step`` train on and use them. Returns what
-        the log keeps: seconds, negatives changed, pairs that kept their previous ones, and
-        the mean step time since the last refresh (when there was one).
-
-        Raises:
-            ConfigError: at the first mining, pairs left with too few negatives.
-        """
+        the log keeps: seconds, negatives changed, pairs left short and the negatives drawn
+        at random to fill them, and the mean step time since the last refresh (when there
+        was one)."""
         from ..data.readers.beir_dir import corpus_texts
 
         t0 = time.time()
         mined = self.mine(encoder, device)
+        k = self.options.num_negatives
+        short = sum(1 for negs in mined if len(negs) < k)
+        drawn = sum(k - len(negs) for negs in mined if len(negs) < k)
+        new = [self._fill(i, negs, step) for i, negs in enumerate(mined)]
         old = self.records.ids
-        short = [i for i, negs in enumerate(mined) if negs is None]
-        if short and old is None:
-            k = self.options.num_negatives
-            raise ConfigError(
-                f"--refresh-negatives-every: at step {step}, {len(short)} of {len(mined)} "
-                f"(query, positive) pairs have fewer than --num-hard-negatives={k} negatives "
-                f"left in the pool after filtering known positives and likely false negatives; "
-                f"widen --negatives-rank-window, raise --negatives-max-score-ratio, or lower "
-                f"--num-hard-negatives")
-        new = [negs if negs is not None else old[i] for i, negs in enumerate(mined)]
         changed = sum(len(set(n) - set(o)) for n, o in zip(new, old)) if old is not None \
             else sum(len(n) for n in new)
         self.records.docs = corpus_texts(self.pool, {d for negs in new for d in negs})
@@ -259,7 +283,8 @@ class NegativeRefresh:
         self.mined_at = step
         end = time.time()
         values = {"refresh_seconds": end - t0, "negatives_changed": float(changed),
-                  "negatives": float(sum(len(n) for n in new)), "kept_previous": float(len(short))}
+                  "negatives": float(sum(len(n) for n in new)), "pairs_short": float(short),
+                  "drawn_at_random": float(drawn)}
         if self._last_end is not None and step > self._last_end[1]:
             values["step_seconds"] = (t0 - self._last_end[0]) / (step - self._last_end[1])
         self._last_end = (end, step)
@@ -277,9 +302,10 @@ class NegativeRefresh:
         text = (f"bigbatch train: hard negatives mined {when} in {cost}: {changed:,} of "
                 f"{total:,} negatives changed ({changed / max(total, 1):.0%}), from "
                 f"{self.pool}")
-        if values["kept_previous"]:
-            text += (f"; {int(values['kept_previous']):,} pair(s) kept their previous "
-                     f"negatives (too few left after filtering)")
+        if values["pairs_short"]:
+            text += (f"; {int(values['pairs_short']):,} pair(s) had fewer than "
+                     f"{self.options.num_negatives} left after filtering, completed with "
+                     f"{int(values['drawn_at_random']):,} document(s) drawn at random")
         return text
 
     # ------------------------------------------------------------------ checkpoint
