@@ -49,6 +49,12 @@ QUERY_SIDE_BACKWARDS = ("direct", "gradcache")
 DOC_NEGATIVES = ("batch", "corpus")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")  # transformers' names
 
+# bigbatch mine's flags as bigbatch train names them (in MiningOptions' messages)
+_MINE_FLAGS = (("--num-negatives", "--num-hard-negatives"),
+               ("--rank-window", "--negatives-rank-window"),
+               ("--max-score-ratio", "--negatives-max-score-ratio"),
+               ("--min-negatives", "--num-hard-negatives"))
+
 # the groups `bigbatch train --help` lists the options in (flags and YAML keys stay flat)
 SECTIONS = {
     "model": "the model, how it embeds and what of it trains",
@@ -537,8 +543,34 @@ class TrainConfig:
         if self.negatives_corpus is not None and \
                 not (Path(self.negatives_corpus) / "corpus.jsonl").is_file():
             raise bad("negatives_corpus", "must be a BEIR folder holding corpus.jsonl")
-        from .refresh import mining_options
-        mining_options(self)  # the rank window, the ratio and the margin
+        self.negatives_mining()  # the rank window, the ratio and the margin
+
+    def negatives_mining(self) -> Any:
+        """The :class:`~bigbatch.retrieval.mining.MiningOptions` of the run's refreshes of
+        hard negatives, checked (errors name ``bigbatch train``'s flags).
+
+        Raises:
+            ConfigError: a rank window that is not START:END, or holds too few candidates;
+                a bad ratio.
+        """
+        from ..retrieval.mining import MiningOptions
+
+        try:
+            start, end = (int(x) for x in str(self.negatives_rank_window).split(":"))
+        except ValueError as e:
+            raise ConfigError(f"--negatives-rank-window must be START:END (two integers, e.g. "
+                              f"0:100), got {shown(self.negatives_rank_window)}") from e
+        ratio = self.negatives_max_score_ratio
+        opts = MiningOptions(num_negatives=self.num_hard_negatives, rank_start=start,
+                             rank_end=end, max_score_ratio=ratio if ratio > 0 else None,
+                             margin=self.negatives_margin, batch_size=self.eval_batch_size)
+        try:
+            return opts.validate()
+        except ConfigError as e:
+            text = str(e)
+            for mine_flag, train_flag in _MINE_FLAGS:
+                text = text.replace(mine_flag, train_flag)
+            raise ConfigError(text) from None
 
     def _validate_reporting(self, bad: Any) -> None:
         """``--report-to`` names known reporters (``none`` alone), ``--push-to-hub`` a

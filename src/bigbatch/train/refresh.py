@@ -42,45 +42,9 @@ import torch
 from ..errors import ConfigError
 from .config import TrainConfig
 
-__all__ = ["NegativeRefresh", "RefreshedRecords", "mining_options", "rank_window", "refresh_of",
-           "EPOCH"]
+__all__ = ["NegativeRefresh", "RefreshedRecords", "refresh_of", "EPOCH"]
 
 EPOCH = "epoch"  # --refresh-negatives-every epoch: once per pass over the training data
-# bigbatch mine's flags, as bigbatch train names them (in MiningOptions' messages)
-_TRAIN_FLAGS = (("--num-negatives", "--num-hard-negatives"),
-                ("--rank-window", "--negatives-rank-window"),
-                ("--max-score-ratio", "--negatives-max-score-ratio"),
-                ("--min-negatives", "--num-hard-negatives"))
-
-
-def rank_window(config: TrainConfig) -> tuple[int, int]:
-    """``--negatives-rank-window START:END`` as two integers."""
-    try:
-        start, end = (int(x) for x in str(config.negatives_rank_window).split(":"))
-    except ValueError as e:
-        raise ConfigError(f"--negatives-rank-window must be START:END (two integers, e.g. "
-                          f"0:100), got {config.negatives_rank_window!r}") from e
-    return start, end
-
-
-def mining_options(config: TrainConfig) -> Any:
-    """The :class:`~bigbatch.retrieval.mining.MiningOptions` of a run's refreshes, checked
-    (errors name ``bigbatch train``'s flags)."""
-    from ..retrieval.mining import MiningOptions
-
-    start, end = rank_window(config)
-    ratio = config.negatives_max_score_ratio
-    opts = MiningOptions(num_negatives=config.num_hard_negatives, rank_start=start,
-                         rank_end=end, max_score_ratio=ratio if ratio > 0 else None,
-                         margin=config.negatives_margin, batch_size=config.eval_batch_size)
-    try:
-        return opts.validate()
-    except ConfigError as e:
-        text = str(e)
-        for mine_flag, train_flag in _TRAIN_FLAGS:
-            text = text.replace(mine_flag, train_flag)
-        raise ConfigError(text) from None
-
 
 class RefreshedRecords(Sequence):
     """A source's records with their negatives replaced by the latest mined ones: record
@@ -146,7 +110,7 @@ class NegativeRefresh:
         from ..data.formats import detect_format
 
         self.config, self.info = config, info
-        self.options = mining_options(config)
+        self.options = config.negatives_mining()
         every = config.refresh_negatives_every
         self.every = len(source.batches) if every == EPOCH else int(every)
         base = source.records
