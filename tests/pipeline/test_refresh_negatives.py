@@ -143,6 +143,26 @@ def test_pairs_without_negatives_train_in_one_command(assets, tmp_path, capsys):
         assert r.positive_id not in n and all(d in texts for d in n)
 
 
+def test_pairs_mine_from_a_negatives_corpus_which_must_hold_their_positives(assets, tmp_path):
+    tiny, data = assets
+    records = load_records(data)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"query": r.query, "positive": r.positive}) + "\n"
+                             for r in records))
+    out = tmp_path / "run"
+    train(config(assets, out, train_data=str(pairs), negatives_corpus=str(data), max_steps=1))
+    negs, _ = negatives_of(out / "checkpoint-000001")
+    corpus_ids = {json.loads(l)["_id"] for l in (data / "corpus.jsonl").read_text().splitlines()}
+    positives = {r.positive_id for r in records}
+    assert all(set(n) <= corpus_ids for n in negs)
+    assert any(set(n) - positives for n in negs)  # documents no pair holds: the corpus's own
+    pairs.write_text(pairs.read_text() + json.dumps({"query": "q", "positive": "nowhere"}) + "\n")
+    with pytest.raises(ConfigError, match="1 training record.* no document of"):
+        train(config(assets, tmp_path / "other", train_data=str(pairs),
+                     negatives_corpus=str(data)))
+    assert not (tmp_path / "other").exists()
+
+
 def test_a_beir_folder_without_negatives_trains_from_the_command_line(assets, tmp_path,
                                                                     capsys):
     """Without the option, the same command is refused (a BEIR folder has no negatives);

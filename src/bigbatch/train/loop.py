@@ -314,11 +314,10 @@ class Trainer:
         """The batches from the run's position on (each source's own, and the step that
         decides which source comes next), forever; each carries its source's name. Hard
         negatives due a refresh are mined before the batch that trains on them is made."""
-        batches = self.batches.iterate(self.state["step"], self.state["sources"])
-        while True:
-            self._refresh_negatives()
-            _, batch = next(batches)
+        self._refresh_negatives()
+        for _, batch in self.batches.iterate(self.state["step"], self.state["sources"]):
             yield batch
+            self._refresh_negatives()  # (before the next batch is made)
 
     def _refresh_negatives(self) -> None:
         """``--refresh-negatives-every``: mine the negatives of the next steps when due
