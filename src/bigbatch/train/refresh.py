@@ -312,12 +312,6 @@ class NegativeRefresh:
         self.records.ids, self.records.docs = ids, docs
         self.mined_at = int(saved["mined_at"])
 
-    def close(self) -> None:
-        """Remove the temporary pool of pairs, if any."""
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
-
 
 def refresh_of(config: TrainConfig, sources: Sequence[Any], info: Any) -> NegativeRefresh | None:
     """The run's :class:`NegativeRefresh`, or None without ``--refresh-negatives-every``."""
