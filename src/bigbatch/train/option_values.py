@@ -227,11 +227,12 @@ _SOURCE_OPTIONS = ("train_data", "eval_data")
 def resolve_path(key: str, value: Any, base: Path) -> Any:
     """A path option made absolute: ``~`` is the home folder, a relative path is read from
     ``base`` (the YAML file's folder, or the working directory for a flag). A ``model`` that
-    is no folder there stays as given: a hub name (``namespace/name``)."""
+    is no folder there stays as given: a hub name (``namespace/name``); so does ``resume``
+    ``auto``."""
     if key in _SOURCE_OPTIONS:
         return _sources_resolved(value, base)
-    if not isinstance(value, str) or not value:
-        return value
+    if not isinstance(value, str) or not value or (key == "resume" and value == "auto"):
+        return value  # (--resume auto: this --output-dir's run, not a folder named auto)
     path = Path(value).expanduser()
     if not path.is_absolute():
         if key in ("model", "guide_model") and not (base / path).exists():
