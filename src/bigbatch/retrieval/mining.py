@@ -44,7 +44,7 @@ from ..errors import ConfigError, shown
 from .corpus_cache import embed_corpus
 from .evaluate import check_beir_split
 
-__all__ = ["MiningOptions", "MiningReport", "mine_hard_negatives"]
+__all__ = ["MiningOptions", "MiningReport", "mine_hard_negatives", "mine_pairs"]
 
 
 @dataclass
@@ -168,28 +168,28 @@ def _record(query: str, qid: str, pid: str, negs: list[str], docs: dict[str, Any
     return rec
 
 
-def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | Path,
-                        options: MiningOptions, *, device: Any = None,
-                        cache_dir: str | Path | None = None, progress: bool = True) -> MiningReport:
-    """Mine negatives for every (query, positive) of ``qrels/<split>.tsv`` in a BEIR directory
-    and write them to ``out`` (JSONL); returns the report (also written as ``out``.report.json)."""
+def mine_pairs(encoder: Any, corpus_path: str | Path, queries: dict[str, str],
+               qrels: dict[str, dict[str, int]], options: MiningOptions, *, device: Any = None,
+               cache_dir: str | Path | None = None, progress: bool = True
+               ) -> tuple[list[tuple[str, str, list[str], dict[str, float]]], MiningReport]:
+    """Steps 1-4 of the module docstring for every (query, positive) of ``qrels`` (query id
+    -> positive corpus ids; every query of it in ``queries``) against the corpus file
+    ``corpus_path``: ``(chosen, report)``, ``chosen`` holding ``(query id, positive id,
+    negative ids, scores by id)`` in query order, positives sorted, for each pair written.
+    ``encoder`` embeds the corpus and the queries (``cache_dir``: the corpus cache, None for
+    none: an encoder whose weights change, as in training, must not use it)."""
     options.validate()
-    root = Path(root)
-    check_beir_split(root, split)  # qrels, queries and corpus ids agree: before any embedding
-    qrels = {q: {d: s for d, s in rel.items() if s > 0}
-             for q, rel in load_qrels(root / "qrels" / f"{split}.tsv").items()}
-    qrels = {q: rel for q, rel in qrels.items() if rel}
-    queries = load_queries(root / "queries.jsonl", set(qrels))
-    doc_ids, doc_emb = embed_corpus(encoder, root / "corpus.jsonl", batch_size=options.batch_size,
+    corpus_path = Path(corpus_path)
+    doc_ids, doc_emb = embed_corpus(encoder, corpus_path, batch_size=options.batch_size,
                                     device=device, cache_dir=cache_dir, progress=progress)
     doc_emb = torch.nn.functional.normalize(doc_emb.float(), dim=-1)
     row = {d: i for i, d in enumerate(doc_ids)}
-    qids = list(queries)
+    qids = list(qrels)
     q_emb = torch.nn.functional.normalize(torch.as_tensor(encoder.encode(
         [queries[q] for q in qids], "query", batch_size=options.batch_size, device=device,
         progress="embed queries" if progress else None)).float(), dim=-1)
     index = _index(doc_emb, options.index)
-    copies = _positive_copies(root / "corpus.jsonl", {d for rel in qrels.values() for d in rel})
+    copies = _positive_copies(corpus_path, {d for rel in qrels.values() for d in rel})
     holding: dict[str, list[str]] = {}  # content key -> the ids holding it
     for d, k in copies.items():
         holding.setdefault(k, []).append(d)
@@ -244,6 +244,24 @@ def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | P
             bar.update(1)
     if bar is not None:
         bar.close()
+    return chosen, report
+
+
+def mine_hard_negatives(encoder: Any, root: str | Path, split: str, out: str | Path,
+                        options: MiningOptions, *, device: Any = None,
+                        cache_dir: str | Path | None = None, progress: bool = True) -> MiningReport:
+    """Mine negatives for every (query, positive) of ``qrels/<split>.tsv`` in a BEIR directory
+    and write them to ``out`` (JSONL); returns the report (also written as ``out``.report.json)."""
+    options.validate()
+    root = Path(root)
+    check_beir_split(root, split)  # qrels, queries and corpus ids agree: before any embedding
+    qrels = {q: {d: s for d, s in rel.items() if s > 0}
+             for q, rel in load_qrels(root / "qrels" / f"{split}.tsv").items()}
+    qrels = {q: rel for q, rel in qrels.items() if rel}
+    queries = load_queries(root / "queries.jsonl", set(qrels))
+    qrels = {q: qrels[q] for q in queries}  # in the queries file's order
+    chosen, report = mine_pairs(encoder, root / "corpus.jsonl", queries, qrels, options,
+                                device=device, cache_dir=cache_dir, progress=progress)
     docs = corpus_texts(root / "corpus.jsonl",
                         {d for _, p, n, _ in chosen for d in [p, *n]})  # texts or ImageDocs
     out = Path(out)

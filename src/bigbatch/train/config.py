@@ -49,6 +49,12 @@ QUERY_SIDE_BACKWARDS = ("direct", "gradcache")
 DOC_NEGATIVES = ("batch", "corpus")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")  # transformers' names
 
+# bigbatch mine's flags as bigbatch train names them (in MiningOptions' messages)
+_MINE_FLAGS = (("--num-negatives", "--num-hard-negatives"),
+               ("--rank-window", "--negatives-rank-window"),
+               ("--max-score-ratio", "--negatives-max-score-ratio"),
+               ("--min-negatives", "--num-hard-negatives"))
+
 # the groups `bigbatch train --help` lists the options in (flags and YAML keys stay flat)
 SECTIONS = {
     "model": "the model, how it embeds and what of it trains",
@@ -186,6 +192,28 @@ class TrainConfig:
         "states, one loss block and one chunk's activations"))
     num_hard_negatives: int = option(0, section="data", help=(
         "hard negatives per query (sampled per epoch when a record has more)"))
+    # str | int (not int | str, the chunk sizes' type): read by option_values._steps_or_epoch
+    refresh_negatives_every: str | int | None = option(None, section="data", help=(
+        "mine each record's --num-hard-negatives hard negatives again every N steps (or "
+        "'epoch'), with the current weights, by bigbatch mine's rules (known positives "
+        "excluded, likely false negatives dropped: --negatives-max-score-ratio, "
+        "--negatives-margin), and train the following steps on them; the first mining is "
+        "before step 1, so records need no negatives (a BEIR folder or pairs: one command "
+        "instead of bigbatch mine, then bigbatch train) (default: off, the records' own "
+        "negatives)"))
+    negatives_corpus: str | None = option(None, section="data", help=(
+        "with --refresh-negatives-every: a BEIR folder whose corpus.jsonl the negatives are "
+        "mined from (default: the training BEIR folder's corpus, or for records files every "
+        "document they hold)"))
+    negatives_rank_window: str = option("0:100", section="data", help=(
+        "with --refresh-negatives-every: START:END ranks (after removing known positives) "
+        "negatives are taken from, as bigbatch mine --rank-window"))
+    negatives_max_score_ratio: float = option(0.95, section="data", help=(
+        "with --refresh-negatives-every: drop candidates scoring above this fraction of the "
+        "positive's score (<= 0: off), as bigbatch mine --max-score-ratio"))
+    negatives_margin: float | None = option(None, section="data", help=(
+        "with --refresh-negatives-every: drop candidates within this margin of the "
+        "positive's score, as bigbatch mine --margin (default: off)"))
     lora_r: int = option(32, section="model", help="LoRA rank; 0 means full fine-tuning")
     lora_alpha: int = option(32, section="model", help="LoRA alpha; 0 means full fine-tuning")
     lora_dropout: float = option(0.0, section="model", help="dropout on the LoRA adapter's input")
@@ -415,6 +443,7 @@ class TrainConfig:
         metric = self.best_metric.removeprefix("unseen/")
         if metric not in METRIC_NAMES:
             raise bad("best_metric", f"must be one of {METRIC_NAMES} (optionally 'unseen/...')")
+        self._validate_refresh(bad)
         self._validate_reporting(bad)
         if self.deepspeed:
             self._validate_deepspeed(bad)
@@ -491,6 +520,64 @@ class TrainConfig:
         if self.guide_model not in (None, "self") and not Path(self.guide_model).exists():
             raise bad("guide_model", "must be 'self' (the model's starting weights) or an "
                                      "existing model folder")
+
+    def _validate_refresh(self, bad: Any) -> None:
+        """``--refresh-negatives-every`` (a number of steps or ``epoch``) and the mining
+        options that go with it: one training source, single-vector InfoNCE over the
+        batch's documents, hard negatives to mine."""
+        every = self.refresh_negatives_every
+        if every is None:
+            for name in ("negatives_corpus",):
+                if getattr(self, name) is not None:
+                    raise bad(name, "applies with --refresh-negatives-every (give it too)")
+            return
+        if not (every == "epoch" or (isinstance(every, int) and not isinstance(every, bool)
+                                     and every > 0)):
+            raise bad("refresh_negatives_every", "must be a number of steps > 0 or 'epoch'")
+        if self.num_hard_negatives < 1:
+            raise bad("num_hard_negatives", "--refresh-negatives-every mines this many "
+                                            "negatives per record: give 1 or more")
+        if len(self.train_sources()) > 1:
+            raise bad("refresh_negatives_every", "mines the negatives of one --train-data "
+                                                 "source; give one")
+        for name, wrong in (("pooling", self.pooling == "multivector"),
+                            ("doc_negatives", self.doc_negatives == "corpus"),
+                            ("distill", self.distill is not None)):
+            if wrong:
+                raise bad(name, "cannot be combined with --refresh-negatives-every (mining "
+                                "needs one vector per document, hard negatives over the "
+                                "batch's documents, and no teacher scores of fixed negatives)")
+        if self.negatives_corpus is not None and \
+                not (Path(self.negatives_corpus) / "corpus.jsonl").is_file():
+            raise bad("negatives_corpus", "must be a BEIR folder holding corpus.jsonl")
+        self.negatives_mining()  # the rank window, the ratio and the margin
+
+    def negatives_mining(self) -> Any:
+        """The :class:`~bigbatch.retrieval.mining.MiningOptions` of the run's refreshes of
+        hard negatives, checked (errors name ``bigbatch train``'s flags).
+
+        Raises:
+            ConfigError: a rank window that is not START:END, or holds too few candidates;
+                a bad ratio.
+        """
+        from ..retrieval.mining import MiningOptions
+
+        try:
+            start, end = (int(x) for x in str(self.negatives_rank_window).split(":"))
+        except ValueError as e:
+            raise ConfigError(f"--negatives-rank-window must be START:END (two integers, e.g. "
+                              f"0:100), got {shown(self.negatives_rank_window)}") from e
+        ratio = self.negatives_max_score_ratio
+        opts = MiningOptions(num_negatives=self.num_hard_negatives, rank_start=start,
+                             rank_end=end, max_score_ratio=ratio if ratio > 0 else None,
+                             margin=self.negatives_margin, batch_size=self.eval_batch_size)
+        try:
+            return opts.validate()
+        except ConfigError as e:
+            text = str(e)
+            for mine_flag, train_flag in _MINE_FLAGS:
+                text = text.replace(mine_flag, train_flag)
+            raise ConfigError(text) from None
 
     def _validate_reporting(self, bad: Any) -> None:
         """``--report-to`` names known reporters (``none`` alone), ``--push-to-hub`` a

@@ -211,7 +211,8 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path,
     train, evals = [], []
     for line in Path(metrics_path).read_text().splitlines():
         rec = json.loads(line)
-        (train if rec["kind"] == "train" else evals).append(rec)
+        if rec["kind"] in ("train", "eval"):  # (not a refresh's row)
+            (train if rec["kind"] == "train" else evals).append(rec)
     if evals:  # a second panel only when there are evaluations to show
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     else:

@@ -74,6 +74,7 @@ from .model_memory import describe_model_memory, run_model_memory
 from .negative_queue import STATE_KEY, RunQueue
 from .outdir import check_output_dir, claim_output_dir, remove_created, run_inputs
 from .preempt import PREEMPTED_EXIT, StopSignals
+from .refresh import refresh_of
 from .resume import (
     auto_resume,
     check_resume_matches,
@@ -249,6 +250,8 @@ class Trainer:
         torch.manual_seed(config.seed)  # same model (and LoRA) initialisation on every rank
         self.lora_r = 0 if config.full_finetune else config.lora_r
         self.encoder = self._build_encoder()
+        # --refresh-negatives-every: the batches read each record's latest mined negatives
+        self.refresh = refresh_of(config, self.sources, info)
         self.corpus = FixedCorpus(config, self.records, self.encoder, device, info) \
             if config.doc_negatives == "corpus" else None
         if config.fsdp:  # before the optimizer: the parameters become shards
@@ -312,9 +315,25 @@ class Trainer:
 
     def iterate(self) -> Any:
         """The batches from the run's position on (each source's own, and the step that
-        decides which source comes next), forever; each carries its source's name."""
+        decides which source comes next), forever; each carries its source's name. Hard
+        negatives due a refresh are mined before the batch that trains on them is made."""
+        self._refresh_negatives()
         for _, batch in self.batches.iterate(self.state["step"], self.state["sources"]):
             yield batch
+            self._refresh_negatives()  # (before the next batch is made)
+
+    def _refresh_negatives(self) -> None:
+        """``--refresh-negatives-every``: mine the negatives of the next steps when due
+        (after the step's checkpoint, so a resume there mines them again with the same
+        weights); the state keeps them, the log says what it cost and what changed."""
+        step = self.state["step"]
+        if self.refresh is None or not self.refresh.due(step, self.max_steps):
+            return
+        values = self.refresh.refresh(step, self.encoder, self.device)
+        self.state["negatives"] = self.refresh.state()
+        if self.info.is_main:
+            self.logger.log(step + 1, {"after_step": step, **values}, kind="refresh")
+            print(self.refresh.line(step, values), flush=True)
 
     def _run_id(self, resume_run: str | None) -> str:
         """A resumed run keeps its id (for a checkpoint from before run ids, the id of the
@@ -390,6 +409,8 @@ class Trainer:
             self.cache.use_plan(self.chunk_plan)
             self.chunks_checked = bool(saved.get("checked"))
         self.state["chunks"] = self._chunk_state()
+        if self.refresh is not None:  # the negatives the run was training on
+            self.refresh.load(self.state.get("negatives"), ckpt)
         self._claim()
         if info.is_main:  # later checkpoints of the timeline left behind would outrank ours
             abandon_later_checkpoints(self.out, self.state["step"])

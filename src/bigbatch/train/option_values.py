@@ -60,6 +60,20 @@ def _int_or_auto(value: Any, what: str) -> int | str:
     raise ConfigError(f"{what} must be an integer or auto, got {value!r}")
 
 
+def _steps_or_epoch(value: Any, what: str) -> int | str:
+    """A number of steps, or ``epoch`` (``--refresh-negatives-every``)."""
+    if isinstance(value, str) and value.strip().lower() == "epoch":
+        return "epoch"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{what} must be a number of steps or epoch, got {shown(value)}")
+
+
 # a size's unit -> bytes: binary, as the memory the start line reports (1 GB = 1024 MB)
 SIZE_UNITS = {"": 1, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(%|[kmgt]?i?b?)\s*$", re.IGNORECASE)
@@ -151,6 +165,7 @@ PARSERS: dict[tuple[Any, ...], Callable[[Any, str], Any]] = {
     (list[float],): lambda v, what: number_list(v, float, what),
     (list[str],): _strings, (str, list): _sources,
     (int, str): _int_or_auto,  # a chunk size or token budget, or auto
+    (str, int): _steps_or_epoch,  # (declared str | int) steps, or epoch
     (float, int): memory_size,  # --memory-budget: a fraction or a size
 }
 
@@ -205,14 +220,15 @@ def key_lines(text: str, source: str) -> dict[Any, int]:
 
 
 PATH_KEYS = ("model", "train_data", "eval_data", "output_dir", "resume", "data_root",
-              "guide_model", "deepspeed")
+              "guide_model", "deepspeed", "negatives_corpus")
 _SOURCE_OPTIONS = ("train_data", "eval_data")
 
 
 def resolve_path(key: str, value: Any, base: Path) -> Any:
     """A path option made absolute: ``~`` is the home folder, a relative path is read from
     ``base`` (the YAML file's folder, or the working directory for a flag). A ``model`` that
-    is no folder there stays as given: a hub name (``namespace/name``)."""
+    is no folder there stays as given: a hub name (``namespace/name``); so does ``resume``
+    ``auto``."""
     if key in _SOURCE_OPTIONS:
         return _sources_resolved(value, base)
     if not isinstance(value, str) or not value or (key == "resume" and value == "auto"):

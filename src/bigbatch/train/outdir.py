@@ -78,9 +78,11 @@ def _within(path: Path, folder: Path) -> bool:
 def run_inputs(config: Any) -> list[tuple[str, Path]]:
     """(option, path) of each local file or folder a training run reads: ``--model``,
     ``--guide-model``, every ``--train-data`` source and ``--eval-data`` set, the
-    ``--config`` file and the ``--deepspeed`` file (a hub name is none)."""
+    ``--negatives-corpus``, the ``--config`` file and the ``--deepspeed`` file (a hub name
+    is none)."""
     items: list[tuple[str, Any]] = [("--model", config.model),
                                     ("--guide-model", config.guide_model),
+                                    ("--negatives-corpus", config.negatives_corpus),
                                     ("--config", config_file_of(config)),
                                     ("--deepspeed", config.deepspeed)]
     items += [("--train-data", s.path) for s in config.train_sources()]

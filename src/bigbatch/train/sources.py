@@ -86,7 +86,9 @@ def load_sources(config: TrainConfig, rank: int, world_size: int) -> Any:
                               f"scores each query against its own documents only, and with "
                               f"no hard negatives that is its positive alone (the loss is 0); "
                               f"give num_hard_negatives >= 1")
-        records = _load_records(config, spec, k, several)
+        # --refresh-negatives-every mines every record's negatives: none needed of its own
+        records = _load_records(config, spec, 0 if config.refresh_negatives_every else k,
+                                several)
         batches = EpochBatches(records, config.batch_size, k, config.seed, rank, world_size,
                                scores=config.distill is not None)
         if len(batches) == 0:
