@@ -70,6 +70,7 @@ from .memory_check import (
     free_memory,
     plan_run_chunks,
 )
+from .merge import check_merge_last, merge_last
 from .model_memory import describe_model_memory, run_model_memory
 from .outdir import check_output_dir, claim_output_dir, remove_created, run_inputs
 from .preempt import PREEMPTED_EXIT, StopSignals
@@ -269,6 +270,8 @@ class Trainer:
         self.max_steps = config.max_steps
         if config.epochs:
             self.max_steps = math.ceil(config.epochs * len(self.batches))
+        check_merge_last(config.merge_last, config.save_steps, config.save_total_limit,
+                         self.max_steps)  # (--epochs: its steps known now)
         self.scheduler = make_scheduler(self.optimizer, config.scheduler, config.warmup_steps,
                                         self.max_steps)
         amp = AUTOCAST_DTYPES[config.dtype]
@@ -292,6 +295,7 @@ class Trainer:
         self.last_metrics: dict[str, float] | None = None
         self.last_eval_step = -1
         self.step_checks = StepChecks(config.strict, warn=info.is_main)
+        self.merged: dict[str, Any] | None = None  # --merge-last's model and metrics
 
     def _size_chunks(self, cache: Any) -> None:
         """``auto`` chunk sizes for ``--memory-budget`` (build_cache calls it, once)."""
@@ -461,25 +465,28 @@ class Trainer:
         return text
 
     # ------------------------------------------------------------------ evaluate and save
-    def evaluate(self, step: int) -> dict[str, float] | None:
+    def evaluate(self, step: int, encoder: Any = None, kind: str = "eval"
+                 ) -> dict[str, float] | None:
         """The retrieval metrics on ``--eval-data`` (logged and shown by the main rank), the
         same on every rank; None without evaluation data. Under torchrun every rank embeds
-        its share of the texts (:mod:`bigbatch.retrieval.distributed_eval`)."""
+        its share of the texts (:mod:`bigbatch.retrieval.distributed_eval`). ``encoder``:
+        another model than the trained one (``merged/``), its rows of ``kind``."""
         from ..retrieval.distributed_eval import split_over_ranks
         from ..retrieval.evaluate import evaluate_sets
 
         config = self.config
         if not self.eval_sets:
             return None
-        metrics = evaluate_sets(split_over_ranks(self.encoder), self.eval_sets,
+        metrics = evaluate_sets(split_over_ranks(encoder or self.encoder), self.eval_sets,
                                 config.eval_split, batch_size=config.eval_batch_size,
                                 device=self.device, progress=self.info.is_main)
         if self.info.is_main:
-            self.logger.log(step, metrics, kind="eval")
+            self.logger.log(step, metrics, kind=kind)
             if self.columns is None:  # a header over the first row; each evaluation a row
                 self.columns = eval_columns(metrics, config.best_metric)
                 print(format_eval_row(None, metrics, self.columns), flush=True)
-            print(format_eval_row(step, metrics, self.columns), flush=True)
+            print(format_eval_row(step if kind == "eval" else kind, metrics, self.columns),
+                  flush=True)
         return from_main(metrics, self.info)  # every rank takes the same branches after it
 
     def save(self, path: Path) -> None:
@@ -731,6 +738,8 @@ class Trainer:
             self.last_metrics = self.evaluate(state["step"])
             if self.consider_best(self.last_metrics, state["step"]):  # the final checkpoint
                 self.save(out / f"checkpoint-{state['step']:06d}")    # records it
+        if config.merge_last:  # the last checkpoints averaged into merged/, evaluated
+            self.merged = merge_last(self, config.merge_last)
         if info.is_main:
             self._write_card(out / "final")  # with the final evaluation's figures
             if (out / "metrics.jsonl").exists():
@@ -750,6 +759,8 @@ class Trainer:
                    "best": state["best"], "best_step": state["best_step"],
                    "output_dir": str(out), "final_model": str(out / "final"),
                    "run_id": self.run_id}
+        if self.merged is not None:  # --merge-last
+            summary.update(merged_model=str(out / "merged"), merged=self.merged["metrics"])
         if self.step_checks.seen:  # steps that could not teach (warned about once each)
             summary["futile_steps"] = dict(self.step_checks.seen)
         note = base_beats_best(state["base_metrics"], state["best"], state["best_step"],

@@ -33,15 +33,17 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import BigBatchError, ConfigError
 from .checkpoint import atomic_dir, list_checkpoints, write_errors
+from .main_rank import barrier
 
-__all__ = ["METHODS", "MERGE_FILE", "MergeInput", "MergeReport", "resolve_input",
-           "mean_tensor", "slerp_tensor", "merge_models", "checkpoints_to_merge",
-           "check_merge_last"]
+__all__ = ["METHODS", "MERGE_FILE", "MERGED", "MergeInput", "MergeReport", "resolve_input",
+           "mean_tensor", "slerp_tensor", "merge_models", "check_output",
+           "checkpoints_to_merge", "check_merge_last", "merge_last"]
 
 METHODS = ("mean", "slerp")
 MERGE_FILE = "merge.json"  # in the output: how it was made, from what
+MERGED = "merged"  # --merge-last's folder in the run's output folder
 # slerp: directions this close to parallel (or anti-parallel) are interpolated linearly
 # (the sine of the angle would divide by almost 0), as mergekit does
 DOT_THRESHOLD = 0.9995
@@ -454,3 +456,37 @@ def check_merge_last(k: int, save_steps: int, save_total_limit: int, max_steps: 
             raise ConfigError(f"--merge-last {k}: the run writes {written} checkpoint(s) in "
                               f"its {max_steps} steps (--save-steps {save_steps}); lower "
                               f"--merge-last or --save-steps")
+
+
+def merge_last(trainer: Any, k: int) -> dict[str, Any]:
+    """``--merge-last k`` at the end of a run; every rank calls it. The main rank averages
+    the run's last ``k`` checkpoints into ``<output-dir>/merged/`` (replacing the one an
+    interrupted end of this run wrote) while the others wait (a failure is raised on every
+    rank); then, with evaluation data, every rank evaluates it as the run evaluates
+    (``trainer.evaluate``: a ``merged`` row in ``metrics.jsonl``). ``trainer``: the run's
+    :class:`~bigbatch.train.loop.Trainer`. Returns ``{"path", "inputs", "metrics"}``."""
+    from ..encoders.loading import load_encoder
+    from ..engine import distributed as D
+
+    info, out = trainer.info, trainer.out
+    path, error, inputs = out / MERGED, None, []
+    if info.is_main:
+        try:
+            found = checkpoints_to_merge(out, k, trainer.run_id)
+            inputs = [p.name for p in found]
+            report = merge_models(found, path, replace=True)
+            print(f"bigbatch train: --merge-last {k}: {report.line()} (from "
+                  f"{', '.join(inputs)})", flush=True)
+        except BigBatchError as e:
+            error = e
+    if info.world_size > 1:
+        barrier(info)
+        D.raise_together(error)
+    elif error is not None:
+        raise error
+    metrics = None
+    if trainer.eval_sets:
+        encoder = load_encoder(path).to(trainer.device)
+        metrics = trainer.evaluate(trainer.state["step"], encoder=encoder, kind=MERGED)
+        del encoder
+    return {"path": str(path), "inputs": inputs, "metrics": metrics}
