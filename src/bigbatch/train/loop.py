@@ -45,6 +45,8 @@ from .build import (
     check_matryoshka_width,
     device_for,
 )
+from .change_check import STATE_KEY as CHANGE_KEY
+from .change_check import check_final, start_state
 from .checkpoint import (
     abandon_later_checkpoints,
     finished_run,
@@ -433,6 +435,9 @@ class Trainer:
         self.t_start = time.time()
         if not config.resume and config.eval_at_start:
             self.state["base_metrics"] = self.evaluate(0)
+        if not config.resume:  # the starting model's embeddings of a few training texts
+            self.state[CHANGE_KEY] = start_state(self.encoder, self.records,
+                                                 config.eval_batch_size, self.device)
         self.bar = progress_bar(total=self.max_steps, initial=self.state["step"], desc="train",
                                 unit="step")
         self.last_eval_step = 0 if self.state["base_metrics"] is not None else -1
@@ -734,6 +739,11 @@ class Trainer:
         self._save_step(state["step"])
         save_whole(self.encoder, out / "final", info, f"continue with --resume {out}",
                    merge_lora=config.merge_lora)  # (a sharded model gathered first)
+        line = check_final(self.encoder, self.records, state.get(CHANGE_KEY), out / "final",
+                           info, config.eval_batch_size, self.device,
+                           f"continue with --resume {out} to write it again")
+        if info.is_main:  # final/ reloaded reproduces the trained model, which moved
+            print(line, flush=True)
         if state["step"] >= self.max_steps and self.last_eval_step != state["step"]:
             self.last_metrics = self.evaluate(state["step"])
             if self.consider_best(self.last_metrics, state["step"]):  # the final checkpoint
