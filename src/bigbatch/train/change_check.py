@@ -35,7 +35,8 @@ from ..errors import ConfigError, OutputError
 from .main_rank import from_main
 
 __all__ = ["SAMPLE_RECORDS", "REPRODUCE_TOLERANCE", "CHANGE_FRACTION", "STATE_KEY",
-           "sample_indices", "embed_sample", "start_state", "check_final", "distance"]
+           "sample_indices", "embed_sample", "start_state", "check_final", "distance",
+           "tolerance"]
 
 SAMPLE_RECORDS = 4  # records whose query and positive are embedded (8 texts)
 STATE_KEY = "change_check"  # in the run's state: the records' indices, the start embeddings
@@ -104,13 +105,27 @@ def _weights_dtype(encoder: Any) -> torch.dtype:
     return floats[0] if floats else torch.float32
 
 
+def tolerance(encoder: Any, run_dtype: str = "float32") -> tuple[float, str]:
+    """The round-off allowed between the model in memory and its reloaded copy, and the
+    dtype it is that of: the weights' dtype, or the dtype a sharded model computes in
+    (``--fsdp --dtype bfloat16`` gathers and computes its weights in bfloat16, where a
+    reloaded float32 copy computes in float32), whichever is coarser."""
+    from .sharding import is_sharded
+
+    dtypes = [_weights_dtype(encoder)]
+    if is_sharded(encoder):
+        dtypes.append(getattr(torch, run_dtype, torch.float32))
+    worst = max(dtypes, key=lambda d: REPRODUCE_TOLERANCE.get(d, 1e-4))
+    return REPRODUCE_TOLERANCE.get(worst, 1e-4), str(worst).removeprefix("torch.")
+
+
 def check_final(encoder: Any, records: Any, saved: dict[str, Any] | None, final: Path,
                 info: D.WorldInfo, batch_size: int, device: torch.device | str,
-                hint: str) -> str:
+                hint: str, run_dtype: str = "float32") -> str:
     """The end-of-run check (every rank calls it, after ``final/`` is written): returns the
     log line; raises on every rank when it failed. ``saved``: what :func:`start_state` put
     in the run's state (None: a run resumed from a checkpoint without it). ``hint``: how to
-    write ``final/`` again.
+    write ``final/`` again. ``run_dtype``: ``--dtype`` (see :func:`tolerance`).
 
     Raises:
         OutputError: ``final/``, reloaded, does not embed as the trained model does (or does
@@ -124,7 +139,7 @@ def check_final(encoder: Any, records: Any, saved: dict[str, Any] | None, final:
     verdict: tuple[str, str] = ("ok", "")
     if info.is_main:
         dtype = _weights_dtype(encoder)
-        tol = REPRODUCE_TOLERANCE.get(dtype, 1e-4)
+        tol, tol_dtype = tolerance(encoder, run_dtype)
         n = sum(len(e) for e in trained)
         try:
             fresh = load_encoder(final).to(device=device, dtype=dtype)
@@ -141,8 +156,8 @@ def check_final(encoder: Any, records: Any, saved: dict[str, Any] | None, final:
                 verdict = ("output", f"{final} does not reproduce the trained model: "
                                      f"reloaded, it embeds {n} training texts up to {off:.1e} "
                                      f"away from the model in memory (the round-off of "
-                                     f"{str(dtype).removeprefix('torch.')} weights is "
-                                     f"{tol:.0e}); the saved weights are not the trained "
+                                     f"{tol_dtype} is {tol:.0e}); the saved weights are not "
+                                     f"the trained "
                                      f"ones; {hint}")
             elif moved is not None and not moved > tol * CHANGE_FRACTION:
                 what = "LoRA adapter" if getattr(encoder, "is_lora", False) else \
@@ -164,7 +179,8 @@ def check_final(encoder: Any, records: Any, saved: dict[str, Any] | None, final:
                           "checkpoint this run resumed from predates the check): skipped")
                 verdict = ("ok", f"checked {final.name}/: reloaded, it embeds {n} training "
                                  f"texts as the trained model does (largest difference "
-                                 f"{off:.1e}, round-off {tol:.0e}); their embeddings {change}")
+                                 f"{off:.1e}, round-off {tol:.0e} for {tol_dtype}); their "
+                                 f"embeddings {change}")
     kind, text = from_main(verdict, info)
     if kind == "output":
         raise OutputError(f"bigbatch train: {text}")

@@ -741,7 +741,7 @@ class Trainer:
                    merge_lora=config.merge_lora)  # (a sharded model gathered first)
         line = check_final(self.encoder, self.records, state.get(CHANGE_KEY), out / "final",
                            info, config.eval_batch_size, self.device,
-                           f"continue with --resume {out} to write it again")
+                           f"continue with --resume {out} to write it again", config.dtype)
         if info.is_main:  # final/ reloaded reproduces the trained model, which moved
             print(line, flush=True)
         if state["step"] >= self.max_steps and self.last_eval_step != state["step"]:
