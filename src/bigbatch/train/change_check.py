@@ -36,7 +36,7 @@ from .main_rank import from_main
 
 __all__ = ["SAMPLE_RECORDS", "REPRODUCE_TOLERANCE", "CHANGE_FRACTION", "STATE_KEY",
            "sample_indices", "embed_sample", "start_state", "check_final", "distance",
-           "tolerance"]
+           "compute_dtype"]
 
 SAMPLE_RECORDS = 4  # records whose query and positive are embedded (8 texts)
 STATE_KEY = "change_check"  # in the run's state: the records' indices, the start embeddings
@@ -105,18 +105,16 @@ def _weights_dtype(encoder: Any) -> torch.dtype:
     return floats[0] if floats else torch.float32
 
 
-def tolerance(encoder: Any, run_dtype: str = "float32") -> tuple[float, str]:
-    """The round-off allowed between the model in memory and its reloaded copy, and the
-    dtype it is that of: the weights' dtype, or the dtype a sharded model computes in
-    (``--fsdp --dtype bfloat16`` gathers and computes its weights in bfloat16, where a
-    reloaded float32 copy computes in float32), whichever is coarser."""
+def compute_dtype(encoder: Any, run_dtype: str = "float32") -> torch.dtype:
+    """The dtype the model in memory embeds in, which its reloaded copy is cast to: its
+    weights' dtype, or for a sharded model the dtype it gathers and computes its weights
+    in (``--fsdp --dtype bfloat16``: bfloat16), whichever is coarser."""
     from .sharding import is_sharded
 
     dtypes = [_weights_dtype(encoder)]
     if is_sharded(encoder):
         dtypes.append(getattr(torch, run_dtype, torch.float32))
-    worst = max(dtypes, key=lambda d: REPRODUCE_TOLERANCE.get(d, 1e-4))
-    return REPRODUCE_TOLERANCE.get(worst, 1e-4), str(worst).removeprefix("torch.")
+    return max(dtypes, key=lambda d: REPRODUCE_TOLERANCE.get(d, 1e-4))
 
 
 def check_final(encoder: Any, records: Any, saved: dict[str, Any] | None, final: Path,
@@ -125,7 +123,7 @@ def check_final(encoder: Any, records: Any, saved: dict[str, Any] | None, final:
     """The end-of-run check (every rank calls it, after ``final/`` is written): returns the
     log line; raises on every rank when it failed. ``saved``: what :func:`start_state` put
     in the run's state (None: a run resumed from a checkpoint without it). ``hint``: how to
-    write ``final/`` again. ``run_dtype``: ``--dtype`` (see :func:`tolerance`).
+    write ``final/`` again. ``run_dtype``: ``--dtype`` (see :func:`compute_dtype`).
 
     Raises:
         OutputError: ``final/``, reloaded, does not embed as the trained model does (or does
@@ -138,8 +136,8 @@ def check_final(encoder: Any, records: Any, saved: dict[str, Any] | None, final:
     trained = embed_sample(encoder, records, indices, batch_size, device)  # (every rank)
     verdict: tuple[str, str] = ("ok", "")
     if info.is_main:
-        dtype = _weights_dtype(encoder)
-        tol, tol_dtype = tolerance(encoder, run_dtype)
+        dtype = compute_dtype(encoder, run_dtype)
+        tol, tol_dtype = REPRODUCE_TOLERANCE.get(dtype, 1e-4), str(dtype).removeprefix("torch.")
         n = sum(len(e) for e in trained)
         try:
             fresh = load_encoder(final).to(device=device, dtype=dtype)
@@ -169,7 +167,7 @@ def check_final(encoder: Any, records: Any, saved: dict[str, Any] | None, final:
                                      f"difference {moved:.1e}): its {what} ({count:,} "
                                      f"parameters that require gradients) did not move. "
                                      f"Check --lr (too small a "
-                                     f"rate leaves {str(dtype).removeprefix('torch.')} "
+                                     f"rate leaves {str(_weights_dtype(encoder)).removeprefix('torch.')} "
                                      f"weights as they were), that what should train requires "
                                      f"gradients, and the warnings about steps that cannot "
                                      f"teach; {final} holds the starting model")
