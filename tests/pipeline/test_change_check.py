@@ -103,6 +103,16 @@ def test_a_resumed_run_compares_with_the_starting_model_of_the_run(assets, tmp_p
     assert "moved from the starting model's by up to" in capsys.readouterr().out
 
 
+def test_a_run_without_starting_embeddings_says_that_half_was_skipped(assets, tmp_path,
+                                                                      capsys, monkeypatch):
+    """As a run resumed from a checkpoint written before the check: no silent skip."""
+    monkeypatch.setattr(loop_module, "start_state", lambda *args: None)
+    train(config(assets, tmp_path / "run"))
+    shown = capsys.readouterr().out
+    assert "as the trained model does" in shown and \
+        "not compared with the starting model's" in shown and "skipped" in shown
+
+
 def test_the_sample_and_the_distance():
     assert sample_indices(3) == [0, 1, 2] and sample_indices(100) == [0, 33, 66, 99]
     a = [torch.tensor([[3.0, 4.0]], dtype=torch.float64)]
