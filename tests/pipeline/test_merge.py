@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 from pipeline_helpers import scifact_slice, tiny_bert
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from bigbatch.cli import main
 from bigbatch.encoders import load_encoder
@@ -156,6 +156,20 @@ def test_mismatched_models_are_refused_naming_the_files(runs, tmp_path):
                          max_position_embeddings=128)).save_pretrained(wide)
     with pytest.raises(ConfigError, match=r"intermediate\.dense\.\w+ is \(128,.*\) in .*wide.* and \(64,"):
         merge_models([runs["full"] / "final", wide], tmp_path / "o3")
+    # an integer buffer one save keeps and another leaves out (position_ids) is no weight;
+    # a float tensor in one only is
+    for extra, ok in ((torch.arange(128, dtype=torch.int64)[None], True),
+                      (torch.zeros(3), False)):
+        other = tmp_path / f"extra-{ok}"
+        shutil.copytree(runs["full"] / "final", other)
+        weights = load_file(other / "model.safetensors")
+        save_file({**weights, "embeddings.position_ids": extra}, other / "model.safetensors",
+                  metadata={"format": "pt"})
+        if ok:
+            merge_models([runs["full"] / "final", other], tmp_path / "extra-merged")
+        else:
+            with pytest.raises(ConfigError, match="position_ids in one only"):
+                merge_models([runs["full"] / "final", other], tmp_path / "o6")
     # an adapter alone with a full model
     with pytest.raises(ConfigError, match="adapter alone"):
         merge_models([ckpt, runs["full"] / "final"], tmp_path / "o4")
@@ -166,7 +180,7 @@ def test_mismatched_models_are_refused_naming_the_files(runs, tmp_path):
     (pickled / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(ConfigError, match="no safetensors weights .*pytorch_model.bin"):
         merge_models([runs["full"] / "final", pickled], tmp_path / "o5")
-    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))
 
 
 def test_an_output_over_an_input_and_bad_options_are_refused(runs, tmp_path, capsys):

@@ -287,14 +287,20 @@ def _merge_file(name: str, files: Sequence[Path], method: str, t: float | None
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
         keys = list(handles[0].keys())
+        common = set(keys).intersection(*(h.keys() for h in handles[1:]))
         for f, h in zip(files[1:], handles[1:]):
-            if set(h.keys()) != set(keys):
-                extra = sorted(set(h.keys()) ^ set(keys))[:3]
+            # integer buffers one save keeps and another leaves out (BERT's position_ids in
+            # older transformers' files) are no weights: the first input's are kept
+            odd = [k for k in sorted(set(h.keys()) ^ set(keys))
+                   if _is_float(handles[0] if k in keys else h, k)]
+            if odd:
                 raise ConfigError(f"bigbatch merge: {f} and {files[0]} hold different "
-                                  f"weights ({', '.join(extra)} in one only): models of "
+                                  f"weights ({', '.join(odd[:3])} in one only): models of "
                                   f"another architecture or LoRA setting cannot be merged")
         merged, same = {}, 0
-        for key in keys:
+        for key in (k for k in keys if k not in common):
+            merged[key] = handles[0].get_tensor(key)
+        for key in (k for k in keys if k in common):
             parts = [h.get_tensor(key) for h in handles]
             for f, p in zip(files[1:], parts[1:]):
                 if p.shape != parts[0].shape:
@@ -308,6 +314,12 @@ def _merge_file(name: str, files: Sequence[Path], method: str, t: float | None
             merged[key] = mean_tensor(parts) if method == "mean" else \
                 slerp_tensor(parts[0], parts[1], float(t))
         return merged, handles[0].metadata(), same
+
+
+def _is_float(handle: Any, key: str) -> bool:
+    """Whether tensor ``key`` of an open safetensors file is a floating-point one (a weight),
+    read from its header."""
+    return str(handle.get_slice(key).get_dtype()).upper().startswith(("F", "BF"))
 
 
 def _stage(template: MergeInput, space: str, stage: Path) -> Path:
