@@ -104,12 +104,19 @@ def test_a_damaged_checkpoint_config_is_named(assets, tmp_path):
 
 # ---------------------------------------------------------------- steps that cannot teach
 def test_a_step_of_zero_loss_and_gradient_is_warned_about_and_strict_stops(assets, tmp_path,
-                                                                           capsys):
+                                                                           capsys, monkeypatch):
+    from bigbatch.train import loop
+
     data = tmp_path / "same.jsonl"
     data.write_text("".join(json.dumps({"query": f"q{i}", "positive": "the only document"}) + "\n"
                             for i in range(16)))
-    summary = train(config(assets, tmp_path / "a", train_data=str(data)))
+    # every step futile: the run trains nothing, which the check at its end says
+    with pytest.raises(ConfigError, match="training changed nothing"):
+        train(config(assets, tmp_path / "a0", train_data=str(data)))
     assert "warning: step 1: its loss and gradient are 0" in capsys.readouterr().out
+    # (that check left out) the summary counts the futile steps
+    monkeypatch.setattr(loop, "check_final", lambda *args: "bigbatch train: not checked")
+    summary = train(config(assets, tmp_path / "a", train_data=str(data)))
     assert summary["futile_steps"] == {"zero": 2}
     with pytest.raises(ConfigError, match="--strict: step 1: its loss and gradient are 0"):
         train(config(assets, tmp_path / "b", train_data=str(data), strict=True))

@@ -1,6 +1,7 @@
-"""The ``bigbatch`` command line: ``train``, ``eval``, ``mine`` and the data tools, one module
-per command (:mod:`~bigbatch.cli.train`, :mod:`~bigbatch.cli.eval`, :mod:`~bigbatch.cli.mine`,
-:mod:`~bigbatch.cli.data`, :mod:`~bigbatch.cli.convert`).
+"""The ``bigbatch`` command line: ``train``, ``eval``, ``mine``, ``merge`` and the data tools,
+one module per command (:mod:`~bigbatch.cli.train`, :mod:`~bigbatch.cli.eval`,
+:mod:`~bigbatch.cli.mine`, :mod:`~bigbatch.cli.merge`, :mod:`~bigbatch.cli.data`,
+:mod:`~bigbatch.cli.convert`).
 
 Every option of :class:`bigbatch.train.TrainConfig` is a flag spelled with dashes
 (``--grad-cache-chunk``); ``--config file.yaml`` supplies values that flags override.
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import BigBatchError
-from . import convert, data, mine, train
+from . import convert, data, merge, mine, train
 from . import eval as eval_
 
 __all__ = ["main", "build_parser"]
@@ -30,6 +31,7 @@ _COMMANDS: dict[str, tuple[Callable[[Any, str], None], Callable[[argparse.Namesp
     "convert": (convert.add_parser, convert.run),
     "mine": (mine.add_parser, mine.run),
     "eval": (eval_.add_parser, eval_.run),
+    "merge": (merge.add_parser, merge.run),
     "make-pairs": (data.add_make_pairs, data.make_pairs),
     "render-pages": (data.add_render_pages, data.render_pages),
     "data": (data.add_fetch, data.fetch),

@@ -202,9 +202,11 @@ _VL_ONLY_KEYS = ("query_instruction", "doc_instruction", "max_num_visual_tokens"
 _VL_KEYS = _VL_ONLY_KEYS + ("max_length", "normalize")
 
 
-def _load_vision_language(path: Path, meta: dict[str, Any], overrides: dict[str, Any]) -> Any:
+def _load_vision_language(path: Path, meta: dict[str, Any], overrides: dict[str, Any],
+                          adapter: Path | None = None) -> Any:
     """A Qwen-VL folder: single-vector, or multi-vector (ColQwen) when its
-    ``bigbatch_encoder.json`` says ``"pooling": "multivector"``."""
+    ``bigbatch_encoder.json`` says ``"pooling": "multivector"``; ``adapter``: the adapter
+    folder put on the base model instead of the folder's weights."""
     from .vision import VisionLanguageEncoder
     from .vision_multivector import MultiVectorVisionEncoder
 
@@ -218,9 +220,9 @@ def _load_vision_language(path: Path, meta: dict[str, Any], overrides: dict[str,
         cls = MultiVectorVisionEncoder
         settings.pop("normalize", None)
         settings.update({k: meta[k] for k in ("dim", "mask_instruction") if k in meta})
-    if _is_adapter(path, meta):
+    if adapter is not None or _is_adapter(path, meta):
         settings["freeze_vision"] = True  # a trained vision tower comes with the adapter
-        enc = _attach_adapter(cls(_adapter_base(path, meta), **settings), path)
+        enc = _attach_adapter(cls(_adapter_base(path, meta), **settings), adapter or path)
     else:
         enc = cls(path, **settings)
     _restore_doc_tower(enc, meta)
@@ -298,17 +300,18 @@ def _attach_adapter(enc: Any, path: Path) -> Any:
     return enc
 
 
-def _load_multivector(path: Path, meta: dict[str, Any], settings: dict[str, Any]) -> Any:
-    """A PyLate-layout folder (bigbatch's or PyLate's): weights or an adapter, and the
-    projection."""
+def _load_multivector(path: Path, meta: dict[str, Any], settings: dict[str, Any],
+                      adapter: Path | None = None) -> Any:
+    """A PyLate-layout folder (bigbatch's or PyLate's): weights or an adapter (``adapter``:
+    that folder's, on the base model), and the projection."""
     from .text_multivector import MultiVectorTextEncoder
 
     if settings.get("pooling", "multivector") != "multivector":
         raise ConfigError(f"{path} is a multi-vector (ColBERT) model; --pooling "
                           f"{settings['pooling']} does not apply to it")
-    if _is_adapter(path, meta):
+    if adapter is not None or _is_adapter(path, meta):
         enc = _attach_adapter(MultiVectorTextEncoder(_adapter_base(path, meta), **settings),
-                              path)
+                              adapter or path)
         enc.load_projection(path)
         return enc
     return MultiVectorTextEncoder(path, **settings)
@@ -319,10 +322,13 @@ def _restore_doc_tower(enc: Any, meta: dict[str, Any]) -> None:
         enc.use_base_doc_tower(None if enc.is_lora else meta.get("doc_base_model"))
 
 
-def load_encoder(path: str | Path, **overrides: Any) -> Any:
+def load_encoder(path: str | Path, *, with_adapter: bool = False, **overrides: Any) -> Any:
     """A :class:`TextEncoder` for ``path`` (a :class:`VisionLanguageEncoder` for a Qwen-VL
     model); keyword overrides (pooling, max_length, query_prefix, doc_prefix, normalize, or
-    the vision-language settings) win over what the folder says.
+    the vision-language settings) win over what the folder says. ``with_adapter``: a LoRA
+    run's ``final/`` (whose ``bigbatch_encoder.json`` names its adapter folder) is loaded as
+    its base model with that adapter on it, as the run trained it, instead of the merged
+    weights (an encoder whose adapter can be changed: ``bigbatch merge``).
 
     Raises:
         ConfigError: the path does not exist or holds no model.
@@ -336,11 +342,13 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
         raise ConfigError(f"--model: no such folder: {path}")
     meta_file = path / "bigbatch_encoder.json"
     meta = read_json(meta_file, {})
+    adapter = path / meta["adapter"] if with_adapter and isinstance(
+        meta.get("adapter"), str) else None
     from .vision import is_vision_language_model
 
     if is_vision_language_model(path):
         check_colpali_folder(path, meta)
-        return _load_vision_language(path, meta, overrides)
+        return _load_vision_language(path, meta, overrides, adapter)
     given = {k: v for k, v in overrides.items() if v is not None}
     vl_only = sorted(k for k in given if k in _VL_ONLY_KEYS)
     if vl_only:
@@ -348,7 +356,7 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
                           f"model")
     multi = multivector_settings(path)
     if multi is not None:
-        return _load_multivector(path, meta, {**multi, **given})
+        return _load_multivector(path, meta, {**multi, **given}, adapter)
     settings = st_settings(path)
     for key in ("pooling", "normalize", "max_length", "query_prefix", "doc_prefix",
                 "exclude_prompt_from_pooling"):
@@ -359,8 +367,9 @@ def load_encoder(path: str | Path, **overrides: Any) -> Any:
         cfg = read_json(path / "config.json")
         check_positions(given["max_length"], SimpleNamespace(**{
             k: cfg.get(k) for k in ("max_position_embeddings", "model_type")}), str(path))
-    if _is_adapter(path, meta):
-        enc = _attach_adapter(TextEncoder(_adapter_base(path, meta), **settings), path)
+    if adapter is not None or _is_adapter(path, meta):
+        enc = _attach_adapter(TextEncoder(_adapter_base(path, meta), **settings),
+                              adapter or path)
     else:
         if not (path / "config.json").exists():
             raise ConfigError(f"--model: {path} holds no transformers model (no config.json)")

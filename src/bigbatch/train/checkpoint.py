@@ -375,8 +375,9 @@ def _saved_step(ckpt: Path) -> int | None:
 def abandon_later_checkpoints(output_dir: str | Path, step: int) -> Path | None:
     """Move what ``output_dir`` holds from later than ``step`` into a new
     ``abandoned-<timestamp>/`` folder there: every ``checkpoint-N`` with ``N > step``,
-    ``best/`` when it was saved after ``step``, and ``final/`` with ``summary.json`` when the
-    summary names a later step (or, without a summary, when later checkpoints were found).
+    ``best/`` when it was saved after ``step``, and ``final/`` (and ``merged/``) with
+    ``summary.json`` when the summary names a later step (or, without a summary, when
+    later checkpoints were found).
     Call on the main rank when a run resumes from ``step``. Returns that folder, or None when
     there was nothing to move.
 
@@ -402,6 +403,8 @@ def abandon_later_checkpoints(output_dir: str | Path, step: int) -> Path | None:
     if (out / "final").is_dir() and (summary_step is not None and summary_step > step
                                      or summary_step is None and later):
         later.append(out / "final")
+        if (out / "merged").is_dir():  # --merge-last's, made at that end
+            later.append(out / "merged")
     if summary_step is not None and summary_step > step:
         later.append(summary)
     if not later:

@@ -291,6 +291,10 @@ class TrainConfig:
         "checkpoint every N steps (0: only at the end)"))
     save_total_limit: int = option(2, section="run", help=(
         "keep this many newest checkpoints (plus best/)"))
+    merge_last: int = option(0, section="run", help=(
+        "at the end of the run, average its last K checkpoints (the final one among them) "
+        "into <output-dir>/merged/, evaluated beside final/ and best/ when there is "
+        "evaluation data; needs --save-steps and --save-total-limit >= K (0: off)"))
     resume: str | None = option(None, section="run", help=(
         "checkpoint directory (or output directory: its newest intact checkpoint) to resume, "
         "or auto: --output-dir's run, continued when it has a checkpoint (for jobs restarted "
@@ -387,6 +391,9 @@ class TrainConfig:
             raise bad("save_total_limit", "must be >= 1: the newest checkpoints kept (a run "
                                           "resumes from one); to keep every one, give at least "
                                           "the run's number of checkpoints")
+        from .merge import check_merge_last  # (the epochs' steps: checked by the Trainer)
+        check_merge_last(self.merge_last, self.save_steps, self.save_total_limit,
+                         0 if self.epochs else self.max_steps)
         if self.loss_block_size is not None and self.loss_block_size < 0:
             raise bad("loss_block_size", "must be >= 0 (0: the dense loss; unset: automatic)")
         if self.max_steps <= 0 and not self.epochs:

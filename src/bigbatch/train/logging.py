@@ -33,8 +33,10 @@ def eval_columns(metrics: dict[str, float], best_metric: str) -> list[str]:
     return columns
 
 
-def format_eval_row(step: int | None, metrics: dict[str, float], columns: list[str]) -> str:
-    """One printed evaluation row (``step`` None: the header naming ``columns``)."""
+def format_eval_row(step: int | str | None, metrics: dict[str, float],
+                    columns: list[str]) -> str:
+    """One printed evaluation row (``step`` None: the header naming ``columns``; a name, such
+    as ``merged``, in place of the step for a model other than the trained one's)."""
     cells = [f"{c:>{max(len(c), 7)}}" if step is None
              else f"{metrics.get(c, float('nan')):>{max(len(c), 7)}.4f}" for c in columns]
     return f"{'eval':<5}{'step' if step is None else step:>7}  " + "  ".join(cells)
@@ -173,7 +175,8 @@ class RunLogger:
         return next((r.writer for r in self.reporters if isinstance(r, _TensorBoard)), None)
 
     def log(self, step: int, values: dict[str, Any], kind: str = "train") -> None:
-        """Append one row (``kind`` "train" or "eval") for ``step``."""
+        """Append one row (``kind`` "train", "eval" or "merged", ``--merge-last``'s model)
+        for ``step``."""
         if not self.enabled:
             return
         rec = {"kind": kind, "step": step, "time": round(time.time(), 3)}
@@ -211,7 +214,7 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path,
     train, evals = [], []
     for line in Path(metrics_path).read_text().splitlines():
         rec = json.loads(line)
-        if rec["kind"] in ("train", "eval"):  # (not a refresh's row)
+        if rec["kind"] in ("train", "eval"):  # (not a refresh's or a merged model's row)
             (train if rec["kind"] == "train" else evals).append(rec)
     if evals:  # a second panel only when there are evaluations to show
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))

@@ -45,6 +45,8 @@ from .build import (
     check_matryoshka_width,
     device_for,
 )
+from .change_check import STATE_KEY as CHANGE_KEY
+from .change_check import check_final, start_state
 from .checkpoint import (
     abandon_later_checkpoints,
     finished_run,
@@ -70,6 +72,7 @@ from .memory_check import (
     free_memory,
     plan_run_chunks,
 )
+from .merge import check_merge_last, merge_last
 from .model_memory import describe_model_memory, run_model_memory
 from .negative_queue import STATE_KEY, RunQueue
 from .outdir import check_output_dir, claim_output_dir, remove_created, run_inputs
@@ -273,6 +276,8 @@ class Trainer:
         self.max_steps = config.max_steps
         if config.epochs:
             self.max_steps = math.ceil(config.epochs * len(self.batches))
+        check_merge_last(config.merge_last, config.save_steps, config.save_total_limit,
+                         self.max_steps)  # (--epochs: its steps known now)
         self.scheduler = make_scheduler(self.optimizer, config.scheduler, config.warmup_steps,
                                         self.max_steps)
         amp = AUTOCAST_DTYPES[config.dtype]
@@ -298,6 +303,7 @@ class Trainer:
         self.last_metrics: dict[str, float] | None = None
         self.last_eval_step = -1
         self.step_checks = StepChecks(config.strict, warn=info.is_main)
+        self.merged: dict[str, Any] | None = None  # --merge-last's model and metrics
 
     def _size_chunks(self, cache: Any) -> None:
         """``auto`` chunk sizes for ``--memory-budget`` (build_cache calls it, once)."""
@@ -456,6 +462,9 @@ class Trainer:
         self.t_start = time.time()
         if not config.resume and config.eval_at_start:
             self.state["base_metrics"] = self.evaluate(0)
+        if not config.resume:  # the starting model's embeddings of a few training texts
+            self.state[CHANGE_KEY] = start_state(self.encoder, self.records,
+                                                 config.eval_batch_size, self.device)
         self.bar = progress_bar(total=self.max_steps, initial=self.state["step"], desc="train",
                                 unit="step")
         self.last_eval_step = 0 if self.state["base_metrics"] is not None else -1
@@ -488,25 +497,28 @@ class Trainer:
         return text
 
     # ------------------------------------------------------------------ evaluate and save
-    def evaluate(self, step: int) -> dict[str, float] | None:
+    def evaluate(self, step: int, encoder: Any = None, kind: str = "eval"
+                 ) -> dict[str, float] | None:
         """The retrieval metrics on ``--eval-data`` (logged and shown by the main rank), the
         same on every rank; None without evaluation data. Under torchrun every rank embeds
-        its share of the texts (:mod:`bigbatch.retrieval.distributed_eval`)."""
+        its share of the texts (:mod:`bigbatch.retrieval.distributed_eval`). ``encoder``:
+        another model than the trained one (``merged/``), its rows of ``kind``."""
         from ..retrieval.distributed_eval import split_over_ranks
         from ..retrieval.evaluate import evaluate_sets
 
         config = self.config
         if not self.eval_sets:
             return None
-        metrics = evaluate_sets(split_over_ranks(self.encoder), self.eval_sets,
+        metrics = evaluate_sets(split_over_ranks(encoder or self.encoder), self.eval_sets,
                                 config.eval_split, batch_size=config.eval_batch_size,
                                 device=self.device, progress=self.info.is_main)
         if self.info.is_main:
-            self.logger.log(step, metrics, kind="eval")
+            self.logger.log(step, metrics, kind=kind)
             if self.columns is None:  # a header over the first row; each evaluation a row
                 self.columns = eval_columns(metrics, config.best_metric)
                 print(format_eval_row(None, metrics, self.columns), flush=True)
-            print(format_eval_row(step, metrics, self.columns), flush=True)
+            print(format_eval_row(step if kind == "eval" else kind, metrics, self.columns),
+                  flush=True)
         return from_main(metrics, self.info)  # every rank takes the same branches after it
 
     def save(self, path: Path) -> None:
@@ -761,10 +773,17 @@ class Trainer:
         self._save_step(state["step"])
         save_whole(self.encoder, out / "final", info, f"continue with --resume {out}",
                    merge_lora=config.merge_lora)  # (a sharded model gathered first)
+        line = check_final(self.encoder, self.records, state.get(CHANGE_KEY), out / "final",
+                           info, config.eval_batch_size, self.device,
+                           f"continue with --resume {out} to write it again", config.dtype)
+        if info.is_main:  # final/ reloaded reproduces the trained model, which moved
+            print(line, flush=True)
         if state["step"] >= self.max_steps and self.last_eval_step != state["step"]:
             self.last_metrics = self.evaluate(state["step"])
             if self.consider_best(self.last_metrics, state["step"]):  # the final checkpoint
                 self.save(out / f"checkpoint-{state['step']:06d}")    # records it
+        if config.merge_last:  # the last checkpoints averaged into merged/, evaluated
+            self.merged = merge_last(self, config.merge_last)
         if info.is_main:
             self._write_card(out / "final")  # with the final evaluation's figures
             if (out / "metrics.jsonl").exists():
@@ -784,6 +803,8 @@ class Trainer:
                    "best": state["best"], "best_step": state["best_step"],
                    "output_dir": str(out), "final_model": str(out / "final"),
                    "run_id": self.run_id}
+        if self.merged is not None:  # --merge-last
+            summary.update(merged_model=str(out / "merged"), merged=self.merged["metrics"])
         if self.step_checks.seen:  # steps that could not teach (warned about once each)
             summary["futile_steps"] = dict(self.step_checks.seen)
         note = base_beats_best(state["base_metrics"], state["best"], state["best_step"],
