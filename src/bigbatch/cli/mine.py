@@ -45,6 +45,8 @@ def add_parser(sub: Any, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..data.readers.files import check_writable_file
     from ..encoders import load_encoder
+    from ..engine import distributed as D
+    from ..retrieval.distributed_eval import split_over_ranks
     from ..retrieval.mining import MiningOptions, mine_hard_negatives
     from ..train.outdir import check_not_input
 
@@ -61,17 +63,23 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     check_writable_file(out, "--output")
     check_not_input(out, "--output", [("--data", args.data), ("--model", args.model)])
-    encoder = load_encoder(args.model, **encoder_overrides(args)).to(device)
+    # under torchrun every process embeds its share of the corpus and queries, all get the
+    # same candidates, the main process writes (the corpus cache is off: a hit on one
+    # process and a miss on another would part their collectives)
+    info = D.init_distributed()
+    encoder = split_over_ranks(load_encoder(args.model, **encoder_overrides(args)).to(device))
     # mined into a temporary file beside the output (image paths are relative to its
     # folder), put in place only when there is something to train on
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # (one per process)
     tmp_report = Path(f"{tmp}.report.json")
     made = [p for p in out.absolute().parents if not p.exists()]  # folders mining creates
     written = False
     try:
         report = mine_hard_negatives(encoder, args.data, args.split, tmp, opts,
-                                     device=device, cache_dir=cache_dir(args))
-        print("\n".join(report.lines()))
+                                     device=device, progress=info.is_main,
+                                     cache_dir=cache_dir(args) if info.world_size == 1 else None)
+        if info.is_main:
+            print("\n".join(report.lines()))
         if report.records == 0 or report.negatives_written == 0:
             raise ConfigError(
                 f"mine: no negatives found for any of the {report.queries} queries of "
@@ -79,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
                 f"likely false negatives, {report.skipped_records} pairs left with fewer than "
                 f"{opts.required}); nothing was written to {out}. Widen --rank-window, raise "
                 f"--max-score-ratio, or lower --min-negatives")
-        os.replace(tmp, out)
-        os.replace(tmp_report, f"{out}.report.json")
+        if info.is_main:
+            os.replace(tmp, out)
+            os.replace(tmp_report, f"{out}.report.json")
         written = True
     finally:
         tmp.unlink(missing_ok=True)
@@ -88,5 +97,10 @@ def run(args: argparse.Namespace) -> int:
         for folder in made if not written else ():  # deepest first; only if left empty
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
-    print(f"wrote {out} and {out}.report.json")
+    if info.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # the file is in place before any process exits
+    if info.is_main:
+        print(f"wrote {out} and {out}.report.json")
     return 0
