@@ -11,6 +11,11 @@ cosine, temperature 0.05 learnable, max length 256, seed 42), one change at a ti
 ``guided``     ``hn1`` + self-guided false-negative filtering (``--guide-model self``)
 ``distill``    ``hn1`` + KL distillation from the mining model's scores (``--distill kl``)
 ``matryoshka`` ``demo`` + Matryoshka over 384, 256, 128 and 64 dims
+``refresh``    ``hn3`` with the negatives mined again by the model in training every epoch
+               (``--refresh-negatives-every epoch``; the first ones by the base model)
+``refresh4``   the same every 4 steps
+``queue``      ``hn3`` + the last 4 steps' documents as extra negatives
+``merge``      ``hn3``, its last 3 checkpoints averaged (``--merge-last 3``)
 =============  ====================================================================
 
 The hard negatives come from ``bigbatch mine`` with the base model (ranks 0-100 after the
@@ -60,7 +65,19 @@ RECIPES: dict[str, tuple[str, str, list[str]]] = {
                 ["--num-hard-negatives", "1", "--distill", "kl"]),
     "matryoshka": ("+ Matryoshka 384/256/128/64", "beir",
                    ["--matryoshka-dims", "384,256,128,64"]),
+    # negatives that keep up with the model: each against hn3, which it extends
+    "refresh": ("+ 3 hard negatives mined by the model in training, again every epoch",
+                "beir", ["--num-hard-negatives", "3", "--refresh-negatives-every", "epoch"]),
+    "refresh4": ("+ 3 hard negatives mined by the model in training, again every 4 steps",
+                 "beir", ["--num-hard-negatives", "3", "--refresh-negatives-every", "4"]),
+    "queue": ("hn3 + the last 4 steps' documents as extra negatives", "mined",
+              ["--num-hard-negatives", "3", "--negative-queue", "4"]),
+    "merge": ("hn3, the last 3 checkpoints (steps 10, 12, 14) averaged", "mined",
+              ["--num-hard-negatives", "3", "--save-steps", "2", "--save-total-limit", "3",
+               "--merge-last", "3"]),
 }
+# the folder a recipe's evaluation reads: merged/ for --merge-last, else final/
+MODEL_FOLDER = {"merge": "merged"}
 
 
 def write_config() -> None:
@@ -129,7 +146,7 @@ def run(name: str, model: str, data: Path) -> dict:
         train_s = trained["seconds"]
     else:
         train_s = bigbatch(*args, log=RUNS / f"{name}.train.log")
-    rows, eval_s = evaluate(str(folder / "final"), data, done)
+    rows, eval_s = evaluate(str(folder / MODEL_FOLDER.get(name, "final")), data, done)
     result = {"adds": adds, "command": command, "flags": flags, "rows": rows,
               "train_seconds": train_s, "eval_seconds": eval_s, "mine_seconds": mine_s}
     (folder / "result.json").write_text(json.dumps(result, indent=2))
