@@ -276,21 +276,22 @@ def test_fsdp_without_torchrun_is_refused_before_anything_is_written(tmp_path, m
 
 
 @pytest.mark.slow
-def test_two_nodes_follow_one_process_and_only_the_global_main_rank_writes(runs):
-    """Two `torchrun --nnodes 2` launches of one process each (c10d rendezvous on
-    127.0.0.1): both processes are local rank 0 of their node, rank 0 of the whole run
-    alone prints and writes, and the run is the one-process run's."""
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_two_nodes_follow_one_process_and_only_the_global_main_rank_writes(runs, per_node):
+    """Two `torchrun --nnodes 2` launches of ``per_node`` processes each (c10d rendezvous on
+    127.0.0.1): each node has its local rank 0, rank 0 of the whole run alone prints and
+    writes, and the run (the same global batch of 16) is the one-process run's."""
     from dist_helpers import free_port
 
-    out = runs["root"] / "nodes"
+    out = runs["root"] / f"nodes{per_node}"
     endpoint = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", BIGBATCH_NO_PROGRESS="1")
     launches = [subprocess.Popen(
-        TORCHRUN[:-1] + ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                         "--rdzv-id", "two-nodes", "-m", "bigbatch.cli", "train",
-                         *runs["common"], "--batch-size", "8", "--fsdp", "--output-dir",
-                         str(out)],
+        TORCHRUN[:-1] + ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+                         str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                         "--rdzv-id", f"two-nodes-{per_node}", "-m", "bigbatch.cli", "train",
+                         *runs["common"], "--batch-size", str(8 // per_node), "--fsdp",
+                         "--output-dir", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for node in (0, 1)]
     printed = [p.communicate(timeout=600) for p in launches]
