@@ -46,10 +46,11 @@ def _float(value: Any, what: str) -> float:
     raise ConfigError(f"{what} must be a number, got {shown(value)}")
 
 
-def _int_or_auto(value: Any, what: str) -> int | str:
-    """A number of rows or tokens, or ``auto`` (sized for ``--memory-budget``)."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
+def _int_or_word(value: Any, what: str, word: str, expected: str) -> int | str:
+    """An integer (or its text), or ``word``; otherwise a refusal saying it is not
+    ``expected``, the value shown bounded."""
+    if isinstance(value, str) and value.strip().lower() == word:
+        return word
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -57,21 +58,17 @@ def _int_or_auto(value: Any, what: str) -> int | str:
             return int(value)
         except ValueError:
             pass
-    raise ConfigError(f"{what} must be an integer or auto, got {value!r}")
+    raise ConfigError(f"{what} must be {expected}, got {shown(value)}")
+
+
+def _int_or_auto(value: Any, what: str) -> int | str:
+    """A number of rows or tokens, or ``auto`` (sized for ``--memory-budget``)."""
+    return _int_or_word(value, what, "auto", "an integer or auto")
 
 
 def _steps_or_epoch(value: Any, what: str) -> int | str:
     """A number of steps, or ``epoch`` (``--refresh-negatives-every``)."""
-    if isinstance(value, str) and value.strip().lower() == "epoch":
-        return "epoch"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            pass
-    raise ConfigError(f"{what} must be a number of steps or epoch, got {shown(value)}")
+    return _int_or_word(value, what, "epoch", "a number of steps or epoch")
 
 
 # a size's unit -> bytes: binary, as the memory the start line reports (1 GB = 1024 MB)
