@@ -264,3 +264,58 @@ def test_minilm_at_256_tokens_never_goes_over_its_budget_measured():
     """all-MiniLM-L6-v2, batch 32, max length 256 (SciFact abstracts fill it): about 100 MB
     a document row of activations."""
     _check_three_budgets("minilm", 32, 256, [600, 1000, 1600])
+
+
+def test_padding_cap_halves_a_chunk_while_that_saves_more_than_the_tolerance():
+    # the token counts of 128 SciFact claims length-sorted under all-MiniLM-L6-v2 are like these:
+    # a few long rows, most short; one chunk pads every row to the longest
+    lengths = sorted([46] * 4 + [30] * 12 + [22] * 48 + [16] * 64, reverse=True)
+    assert sizing.padded_tokens(lengths, 128) == 128 * 46
+    assert sizing.padded_tokens(lengths, 4) == sum(lengths)
+    cap = sizing.padding_cap(lengths, 128)
+    assert cap < 128
+    half = -(-cap // 2)
+    assert sizing.padded_tokens(lengths, cap) <= 1.1 * sizing.padded_tokens(lengths, half)
+    # every larger size was halved because halving saved more than 10%
+    size = 128
+    while size > cap:
+        assert sizing.padded_tokens(lengths, size) > 1.1 * sizing.padded_tokens(lengths, -(-size // 2))
+        size = -(-size // 2)
+    assert size == cap
+    assert sizing.padding_cap([256] * 128, 128) == 128  # one length: nothing to save
+    assert sizing.padding_cap(lengths, 1) == 1 and sizing.padding_cap([5], 8) == 1
+
+
+def test_auto_weighs_padding_where_chunks_are_length_sorted():
+    """Short queries of mixed lengths that fit whole: with ``sort_by_length`` their chunk is
+    capped where smaller sorted chunks pad less (the start line says so), the documents (one
+    length) keep the size that fits, the estimate is the capped plan's, and the step still
+    equals the unchunked reference."""
+    torch.manual_seed(0)
+    tower, loss_fn = TokenTower().to(DT).train(), bb.InfoNCE().to(DT)
+    gen = torch.Generator().manual_seed(1)
+    q = token_batch(32, max_len=12, gen=gen)
+    q["attention_mask"][:2] = 1  # two long rows, the rest up to 12 tokens
+    q["input_ids"][:2] = torch.randint(1, 50, (2, 12), generator=gen)
+    d = {"input_ids": torch.randint(1, 50, (32, 20), generator=gen),
+         "attention_mask": torch.ones(32, 20, dtype=torch.long)}
+    inputs = {"query": q, "doc": d}
+    _, unsorted = _plan(tower, loss_fn, inputs, 2 ** 40, reuse_last_chunk=False)
+    _, plan = _plan(tower, loss_fn, inputs, 2 ** 40, reuse_last_chunk=False, sort_by_length=True)
+    assert unsorted.sizes == {"query": 32, "doc": 32} and not unsorted.fits
+    assert plan.sizes["doc"] == 32 and plan.sizes["query"] < 32
+    assert plan.fits == {"query": 32}
+    lengths = sorted(q["attention_mask"].sum(1).tolist(), reverse=True)
+    assert plan.sizes["query"] == sizing.padding_cap(lengths, 32)
+    assert "32 fit; fewer rows pad less" in plan.describe()
+    assert plan.memory.total == plan.at(plan.sizes).memory.total
+    assert plan.memory.rng_states > unsorted.memory.rng_states  # more chunks: more states
+    cache, _ = _plan(tower, loss_fn, inputs, 2 ** 40, reuse_last_chunk=False, sort_by_length=True)
+    tower.eval()
+    zero_grads(tower, loss_fn)
+    cache.step(**inputs)
+    assert cache.chunk_sizes["query"] == plan.sizes["query"]
+    got = grads_of(tower, loss_fn)
+    zero_grads(tower, loss_fn)
+    reference_step({"query": tower, "doc": tower}, loss_fn, inputs)
+    assert max_rel_err(got, grads_of(tower, loss_fn)) <= 1e-12

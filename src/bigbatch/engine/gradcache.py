@@ -34,6 +34,7 @@ whole batch fits, the step is plain training: every tower embedded once, its gra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -540,7 +541,7 @@ class GradCache:
                  if n not in self._auto_rows and n not in self._auto_tokens}
         caps = {n: s for n, s in self.chunk_sizes.items() if n not in self._auto_rows}
         accelerators = int(device.type != "cpu")
-        return sizing.choose_chunks(
+        plan = sizing.choose_chunks(
             sizing.budget_bytes(self.memory_budget if budget is None else budget, device,
                                 budget_name),
             rows, {n: c.cost for n, c in costs.items()}, base=base, given=given,
@@ -550,6 +551,31 @@ class GradCache:
             + accelerators * sizing.DEVICE_RNG_STATE_BYTES,
             transient=max((p.numel() * p.element_size() for p in params), default=0),
             budget_name=budget_name)
+        return self._capped_for_padding(plan, inputs)
+
+    def _capped_for_padding(self, plan: ChunkPlan, inputs: Mapping[str, Any]) -> ChunkPlan:
+        """``plan`` with each row-sized tower's chunk lowered where length-sorted smaller
+        chunks pad its rows to fewer tokens (:func:`~bigbatch.engine.sizing.padding_cap`);
+        only with ``sort_by_length`` and ``trim_padding`` (each chunk cut to its own
+        longest row), and not for plain training (one pass, nothing replayed)."""
+        if plan.plain or not (self.sort_by_length and self.trim_padding) or \
+                type(self).split_inputs is not GradCache.split_inputs:
+            return plan
+        caps = {}
+        for name in self._auto_rows:
+            value = inputs[name]
+            if name in plan.tokens or not isinstance(value, Mapping) or \
+                    not isinstance(value.get("attention_mask"), torch.Tensor):
+                continue
+            lengths = (value["attention_mask"] != 0).sum(1).cpu()
+            ordered = lengths[chunking.length_order(value)].tolist()
+            cap = sizing.padding_cap(ordered, plan.sizes[name])
+            if cap < plan.sizes[name]:
+                caps[name] = cap
+        if not caps:
+            return plan
+        fits = {n: plan.sizes[n] for n in caps}
+        return dataclasses.replace(plan.at({**plan.sizes, **caps}, plan.tokens), fits=fits)
 
     def use_plan(self, plan: ChunkPlan) -> None:
         """Cut chunks as ``plan`` says from the next step on (its sizes, token budgets and
