@@ -155,12 +155,12 @@ def test_train_two_steps_from_the_command_line(tiny, data, tmp_path, lora):
 
 
 # ------------------------------------------------------------------------ evaluation
-def _brute_force(enc, data):
-    """Every (query, document) MaxSim score at once (documents rounded to float16 as they are
-    stored), and the ranking metrics by pytrec_eval."""
+def _brute_force(enc, data, split="test"):
+    """Every (query, document) MaxSim score of ``split``'s queries at once (documents
+    rounded to float16 as they are stored): qrels, query ids, document ids, scores."""
     from bigbatch.data.readers.beir_dir import iter_corpus, load_qrels, load_queries
 
-    qrels = load_qrels(data / "qrels" / "test.tsv")
+    qrels = load_qrels(data / "qrels" / f"{split}.tsv")
     queries = load_queries(data / "queries.jsonl", set(qrels))
     docs = [x for blk in iter_corpus(data / "corpus.jsonl") for x in blk]
     q = enc.encode([queries[k] for k in queries], side="query")
@@ -205,6 +205,37 @@ def test_maxsim_metrics_equal_a_brute_force_computation(tiny, data, tmp_path, mo
     monkeypatch.setattr(MultiVectorTextEncoder, "encode_tokens", recording)
     again = evaluate_beir(enc, data, cache_dir=tmp_path / "cache", progress=False)
     assert again == got and sides == ["query"]
+
+
+def test_bigbatch_mine_ranks_by_maxsim_as_a_brute_force_computation(tiny, data, tmp_path,
+                                                                      capsys):
+    """``bigbatch mine`` with a saved multi-vector model: each record's negatives are the
+    best-scored documents by MaxSim (divided by the query's tokens) that are not a known
+    positive, with those scores; ``--index hnsw`` is refused (the search is exact)."""
+    enc = _encoder(tiny)
+    enc.save(tmp_path / "colbert")
+    enc = load_encoder(tmp_path / "colbert").eval()
+    out = tmp_path / "mined.jsonl"
+    assert main(["mine", "--model", str(tmp_path / "colbert"), "--data", str(data),
+                 "--split", "train", "--output", str(out), "--num-negatives", "3",
+                 "--max-score-ratio", "2", "--scores", "--batch-size", "8"]) == 0
+    qrels, qids, dids, scores = _brute_force(enc, data, "train")
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert records and len(records) == sum(len(r) for r in qrels.values())
+    for rec in records:
+        i, positives = qids.index(rec["query_id"]), set(qrels[rec["query_id"]])
+        row = scores[i].clone()
+        row[[dids.index(d) for d in positives]] = float("-inf")
+        best = [dids[j] for j in row.topk(3).indices.tolist()]
+        assert rec["negative_ids"] == best
+        assert rec["pos_score"] == pytest.approx(
+            float(scores[i, dids.index(rec["positive_id"])]), abs=1e-5)
+        assert rec["neg_scores"] == pytest.approx(
+            [float(scores[i, dids.index(d)]) for d in best], abs=1e-5)
+    assert main(["mine", "--model", str(tmp_path / "colbert"), "--data", str(data), "--split",
+                 "train", "--output", str(tmp_path / "h.jsonl"), "--index", "hnsw"]) == 2
+    assert "searched exactly (MaxSim" in capsys.readouterr().err
+    assert not (tmp_path / "h.jsonl").exists()
 
 
 # ------------------------------------------------------------------------ PyLate's layout

@@ -63,7 +63,7 @@ from .. import errors
 
 __all__ = [
     "WorldInfo", "world_info", "is_distributed", "init_distributed", "gather_with_grad",
-    "all_gather_rows", "all_reduce_gradients", "Gathered", "unwrap_ddp", "is_fsdp",
+    "all_gather_rows", "all_reduce_max", "all_reduce_gradients", "Gathered", "unwrap_ddp", "is_fsdp",
     "raise_together", "share_failure", "exchange_failure", "mark_shared", "is_shared",
     "GatherState", "PeerFailed",
 ]
@@ -172,6 +172,16 @@ def all_gather_rows(t: Tensor, group: Any = None, sizes: Sequence[int] | None = 
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(t.device)
+
+
+def all_reduce_max(t: Tensor, group: Any = None) -> Tensor:
+    """The element-wise maximum of ``t`` over the ranks of ``group`` (without gradient), on
+    ``t``'s device."""
+    import torch.distributed as dist
+
+    merged = t.detach().to(_comm_device(t, group)).clone()
+    dist.all_reduce(merged, op=dist.ReduceOp.MAX, group=group)
+    return merged.to(t.device)
 
 
 def _exchange_ints(values: Sequence[int], group: Any = None) -> Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..data.readers.beir_dir import corpus_doc, iter_corpus
+from ..data.readers.beir_dir import corpus_doc, count_records, iter_corpus
 from ..data.readers.files import cache_errors
 from ..data.readers.jsonl import iter_jsonl
 from ..data.records.types import ImageDoc, doc_key
@@ -105,8 +105,8 @@ def embed_corpus(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
         from ..errors import ConfigError
 
         raise ConfigError("a multi-vector (ColBERT) model embeds a document as one vector per "
-                          "token; this needs one vector per document (evaluation scores "
-                          "multi-vector models by MaxSim; mining does not support them yet)")
+                          "token; this needs one vector per document (evaluation and mining "
+                          "score multi-vector models by MaxSim against a token store)")
     corpus_path = Path(corpus_path)
     cache = embeddings_file(encoder, corpus_key(corpus_path), cache_dir) if cache_dir else None
     cached = load_embeddings(cache) if cache is not None else None
@@ -115,7 +115,8 @@ def embed_corpus(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
     ids: list[str] = []
     with cache_errors(cache_dir or tempfile.gettempdir()):  # read-only or full: named
         writer = EmbeddingFile(cache_dir)
-    bar = progress_bar(desc="embed corpus", unit="doc") if progress else None
+    bar = progress_bar(total=count_records(corpus_path), desc="embed corpus", unit="doc") \
+        if progress else None
     try:
         for blk in iter_corpus(corpus_path, block):
             ids.extend(d for d, _ in blk)

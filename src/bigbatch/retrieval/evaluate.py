@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["retrieval_metrics", "evaluate_retrieval", "evaluate_scores", "evaluate_beir",
-           "evaluate_beir_dims", "evaluate_sets",
+           "evaluate_beir_dims", "evaluate_sets", "corpus_scorer",
            "unseen_query_ids", "check_beir_split", "METRIC_NAMES", "LOWER_IS_BETTER"]
 
 METRIC_NAMES = ("ndcg@10", "recall@1", "recall@5", "recall@10", "mrr@10", "pos_sim", "neg_sim",
@@ -232,8 +232,12 @@ def _maxsim_scorer(encoder: Any, corpus: Path, texts: list[str], batch_size: int
     from ..engine.embeddings import TokenEmbeddings
     from .token_store import embed_corpus_tokens
 
-    store = embed_corpus_tokens(encoder, corpus, batch_size=batch_size, device=device,
-                                cache_dir=cache_dir, progress=progress)
+    # split over the ranks (retrieval.distributed_eval.SplitEncoder): each rank's part
+    split = getattr(encoder, "corpus_token_store", None)
+    store = split(corpus, batch_size=batch_size, device=device, cache_dir=cache_dir,
+                  progress=progress) if split is not None else \
+        embed_corpus_tokens(encoder, corpus, batch_size=batch_size, device=device,
+                            cache_dir=cache_dir, progress=progress)
     q = encoder.encode(texts, side="query", batch_size=batch_size, device=device,
                        progress="embed queries" if progress else None)
     block = max(1, 2 ** 26 // max(1, len(store)))
@@ -252,6 +256,20 @@ def _maxsim_scorer(encoder: Any, corpus: Path, texts: list[str], batch_size: int
 _SCORERS = {False: _dense_scorer, True: _maxsim_scorer}  # by the encoder's multi_vector
 
 
+def corpus_scorer(encoder: Any, corpus: str | Path, texts: list[str], *, batch_size: int = 64,
+                  device: torch.device | str | None = None, cache_dir: str | Path | None = None,
+                  progress: bool = True) -> tuple[list[str], Scorer, int]:
+    """How an evaluation scores the queries ``texts`` against the corpus file ``corpus``:
+    ``(corpus ids, scores, block)``, ``scores(positions)`` giving those queries'
+    similarities with every document (``(rows, documents)``, float32) and ``block`` the
+    most queries to ask for at once. One vector per text: inner products with the corpus's
+    embeddings; a multi-vector encoder: MaxSim divided by the query's token count, against
+    the corpus's token store (split over the ranks for a
+    :class:`~bigbatch.retrieval.distributed_eval.SplitEncoder`)."""
+    scorer = _SCORERS[bool(getattr(encoder, "multi_vector", False))]
+    return scorer(encoder, Path(corpus), texts, batch_size, device, cache_dir, progress)
+
+
 def evaluate_beir(encoder: Any, root: str | Path, split: str = "test", batch_size: int = 64,
                   device: torch.device | str | None = None, unseen_from: str | None = "train",
                   cache_dir: str | Path | None = None, progress: bool = True) -> dict[str, float]:
@@ -267,9 +285,9 @@ def evaluate_beir(encoder: Any, root: str | Path, split: str = "test", batch_siz
     root = Path(root)
     check_beir_split(root, split)  # qrels, queries and corpus ids agree: before any embedding
     qrels, query_ids, texts = _split_queries(root, split)
-    scorer = _SCORERS[bool(getattr(encoder, "multi_vector", False))]
-    doc_ids, scores, block = scorer(encoder, root / "corpus.jsonl", texts, batch_size, device,
-                                    cache_dir, progress)
+    doc_ids, scores, block = corpus_scorer(encoder, root / "corpus.jsonl", texts,
+                                           batch_size=batch_size, device=device,
+                                           cache_dir=cache_dir, progress=progress)
     return _split_metrics(scores, root, split, qrels, query_ids, doc_ids, block, unseen_from)
 
 

@@ -5,7 +5,9 @@ filtering (NV-Retriever, Moreira et al. 2024).
    product is cosine similarity whatever the model's own normalisation (an unnormalised
    inner-product search is the classic way FAISS mining goes wrong).
 2. Search with faiss-cpu: exact inner product (``IndexFlatIP``) by default, HNSW for large
-   corpora (``index="hnsw"``).
+   corpora (``index="hnsw"``). A multi-vector (late-interaction) model is searched exactly,
+   by the MaxSim scores an evaluation ranks by (divided by the query's token count, so in
+   [-1, 1] like a cosine), against the corpus's token store, a block of queries at a time.
 3. For each (query, positive) pair: remove every known positive of the query from the
    ranking, and every copy of one (the same text or image under another corpus id, which
    training would refuse as "a negative equals the positive"), keep the candidates at ranks
@@ -42,7 +44,7 @@ from ..data.readers.beir_dir import corpus_texts, iter_corpus, load_qrels, load_
 from ..data.records.types import ImageDoc, doc_key
 from ..errors import ConfigError, shown
 from .corpus_cache import embed_corpus
-from .evaluate import check_beir_split
+from .evaluate import check_beir_split, corpus_scorer
 
 __all__ = ["MiningOptions", "MiningReport", "mine_hard_negatives", "mine_pairs"]
 
@@ -122,6 +124,64 @@ def _index(emb: torch.Tensor, kind: str) -> Any:
     return index
 
 
+class _DenseSearch:
+    """Cosine similarity through faiss: the corpus's and the queries' embeddings, each
+    L2-normalised."""
+
+    def __init__(self, encoder: Any, corpus_path: Path, texts: list[str],
+                 options: MiningOptions, device: Any, cache_dir: Any, progress: bool) -> None:
+        self.doc_ids, doc_emb = embed_corpus(encoder, corpus_path, batch_size=options.batch_size,
+                                             device=device, cache_dir=cache_dir,
+                                             progress=progress)
+        self.docs = torch.nn.functional.normalize(doc_emb.float(), dim=-1)
+        self.queries = torch.nn.functional.normalize(torch.as_tensor(encoder.encode(
+            texts, "query", batch_size=options.batch_size, device=device,
+            progress="embed queries" if progress else None)).float(), dim=-1)
+        self.index = _index(self.docs, options.index)
+
+    def ranked(self, qi: int, depth: int) -> list[tuple[int, float]]:
+        """The ``depth`` best documents of query ``qi``: (corpus position, score)."""
+        scores, idx = self.index.search(self.queries[qi:qi + 1].numpy(), depth)
+        return [(int(j), float(s)) for j, s in zip(idx[0], scores[0]) if j >= 0]
+
+    def score(self, qi: int, j: int) -> float:
+        return float(self.queries[qi] @ self.docs[j])
+
+
+class _ScoredSearch:
+    """Exact search by an evaluation's scores (:func:`~bigbatch.retrieval.evaluate.corpus_scorer`:
+    MaxSim against the token store for a multi-vector model), a block of queries at a time
+    (the current block's scores kept)."""
+
+    def __init__(self, encoder: Any, corpus_path: Path, texts: list[str],
+                 options: MiningOptions, device: Any, cache_dir: Any, progress: bool) -> None:
+        if options.index != "flat":
+            raise ConfigError(f"--index {options.index}: a multi-vector model is searched "
+                              f"exactly (MaxSim against its token store); use --index flat")
+        self.doc_ids, self._scores, self._block = corpus_scorer(
+            encoder, corpus_path, texts, batch_size=options.batch_size, device=device,
+            cache_dir=cache_dir, progress=progress)
+        self._n = len(texts)
+        self._held: tuple[int, torch.Tensor] | None = None
+
+    def _row(self, qi: int) -> torch.Tensor:
+        start = qi - qi % self._block
+        if self._held is None or self._held[0] != start:
+            rows = list(range(start, min(self._n, start + self._block)))
+            self._held = (start, self._scores(rows))
+        return self._held[1][qi - start]
+
+    def ranked(self, qi: int, depth: int) -> list[tuple[int, float]]:
+        scores, idx = torch.topk(self._row(qi), min(depth, len(self.doc_ids)))
+        return list(zip(idx.tolist(), scores.tolist()))
+
+    def score(self, qi: int, j: int) -> float:
+        return float(self._row(qi)[j])
+
+
+_SEARCHES = {False: _DenseSearch, True: _ScoredSearch}  # by the encoder's multi_vector
+
+
 def _too_close(score: float, pos_score: float, options: MiningOptions) -> bool:
     """Whether a candidate scoring ``score`` is a likely false negative of a positive scoring
     ``pos_score``: above the ratio threshold (``ratio * pos_score`` for a positive score,
@@ -180,15 +240,11 @@ def mine_pairs(encoder: Any, corpus_path: str | Path, queries: dict[str, str],
     none: an encoder whose weights change, as in training, must not use it)."""
     options.validate()
     corpus_path = Path(corpus_path)
-    doc_ids, doc_emb = embed_corpus(encoder, corpus_path, batch_size=options.batch_size,
-                                    device=device, cache_dir=cache_dir, progress=progress)
-    doc_emb = torch.nn.functional.normalize(doc_emb.float(), dim=-1)
-    row = {d: i for i, d in enumerate(doc_ids)}
     qids = list(qrels)
-    q_emb = torch.nn.functional.normalize(torch.as_tensor(encoder.encode(
-        [queries[q] for q in qids], "query", batch_size=options.batch_size, device=device,
-        progress="embed queries" if progress else None)).float(), dim=-1)
-    index = _index(doc_emb, options.index)
+    search = _SEARCHES[bool(getattr(encoder, "multi_vector", False))](
+        encoder, corpus_path, [queries[q] for q in qids], options, device, cache_dir, progress)
+    doc_ids = search.doc_ids
+    row = {d: i for i, d in enumerate(doc_ids)}
     copies = _positive_copies(corpus_path, {d for rel in qrels.values() for d in rel})
     holding: dict[str, list[str]] = {}  # content key -> the ids holding it
     for d, k in copies.items():
@@ -205,8 +261,7 @@ def mine_pairs(encoder: Any, corpus_path: str | Path, queries: dict[str, str],
                 for d in holding[k]} - set(positives)
         depth = min(n_docs, options.rank_end + len(positives))
         while True:
-            scores, idx = index.search(q_emb[qi:qi + 1].numpy(), depth)
-            ranked = [(doc_ids[j], float(s)) for j, s in zip(idx[0], scores[0]) if j >= 0]
+            ranked = [(doc_ids[j], s) for j, s in search.ranked(qi, depth)]
             non_pos = [(d, s) for d, s in ranked if d not in positives and d not in copy]
             window = non_pos[options.rank_start:options.rank_end]
             enough = len(window) >= options.rank_end - options.rank_start
@@ -223,7 +278,7 @@ def mine_pairs(encoder: Any, corpus_path: str | Path, queries: dict[str, str],
         for pid in sorted(positives):
             if pid not in row:
                 continue
-            pos_score = float(q_emb[qi] @ doc_emb[row[pid]])
+            pos_score = search.score(qi, row[pid])
             negs, scored = [], {pid: pos_score}
             for d, s in window:
                 report.candidates_seen += 1

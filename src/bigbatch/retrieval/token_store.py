@@ -17,6 +17,10 @@ The cache is the corpus-embedding cache's (:func:`bigbatch.retrieval.corpus_cach
 the
 encoder's ``cache_key()`` and the corpus's identity), the folder named ``*.tokens``. Without a
 cache folder the store lives in a temporary folder removed with the :class:`TokenStore`.
+Under ``torch.distributed`` each rank can hold a part of the corpus (``part=(rank, world)``
+of :func:`embed_corpus_tokens`: a share of every block): its store lists every corpus id
+but holds only its documents, and scores the others as ``-inf``, so the ranks' scores
+merge by an element-wise maximum (:class:`bigbatch.retrieval.distributed_eval.SplitTokenStore`).
 The encoder is duck-typed: ``cache_key()`` and ``encode_tokens(texts, side=...)`` (see
 :class:`bigbatch.encoders.MultiVectorTextEncoder`).
 """
@@ -33,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..data.readers.beir_dir import iter_corpus
+from ..data.readers.beir_dir import count_records, iter_corpus
 from ..data.readers.files import cache_errors
 from ..engine.embeddings import TokenEmbeddings, stack_rows
 from ..losses.maxsim import maxsim_scores
@@ -73,6 +77,11 @@ class TokenStore:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @property
+    def held(self) -> int:
+        """Documents this store holds (all of :attr:`ids`, or a rank's part of them)."""
+        return len(self.order)
+
     def tokens(self) -> int:
         """Stored token vectors, over all documents."""
         return int(self.offsets[-1])
@@ -94,16 +103,19 @@ class TokenStore:
         ``(queries, documents)`` in corpus order, computed a block of stored documents at a
         time (at most ``block_elements`` padded values each), and within it at most
         ``similarity_elements`` token similarities at once
-        (:func:`bigbatch.losses.maxsim.maxsim_scores`' blocks; no gradient is kept)."""
-        n = len(self.ids)
-        out = torch.empty(len(queries.values), n)
-        if n == 0:
+        (:func:`bigbatch.losses.maxsim.maxsim_scores`' blocks; no gradient is kept). A part
+        of the corpus (:attr:`held` below the ids) scores the documents it does not hold
+        ``-inf``."""
+        n, held = len(self.ids), self.held
+        out = torch.empty(len(queries.values), n) if held == n else \
+            torch.full((len(queries.values), n), float("-inf"))
+        if held == 0:
             return out
         longest = int((self.offsets[1:] - self.offsets[:-1]).max())
         per_block = max(1, block_elements // max(1, longest * self.dim))
         queries = TokenEmbeddings(queries.values.float(), queries.mask)
-        for lo in range(0, n, per_block):
-            cols, docs = self.rows(lo, min(lo + per_block, n))
+        for lo in range(0, held, per_block):
+            cols, docs = self.rows(lo, min(lo + per_block, held))
             with torch.no_grad():
                 out[:, cols] = maxsim_scores(queries, docs, normalize_query=normalize_query,
                                              max_block_elements=similarity_elements)
@@ -148,17 +160,24 @@ class TokenStoreWriter:
 
 def embed_corpus_tokens(encoder: Any, corpus_path: str | Path, *, batch_size: int = 64,
                         device: Any = None, cache_dir: str | Path | None = None,
-                        block: int = 4096, progress: bool = True) -> TokenStore:
+                        block: int = 4096, progress: bool = True,
+                        part: tuple[int, int] = (0, 1)) -> TokenStore:
     """The token store of every document of ``corpus_path`` embedded by ``encoder``: from the
     cache in ``cache_dir`` when it is there, else embedded (a block of the corpus at a time)
-    and written there (None: into a temporary folder, removed with the store)."""
+    and written there (None: into a temporary folder, removed with the store).
+
+    ``part=(rank, world)``: only this rank's share of each block (``ceil(block / world)``
+    documents, the last share padded with repeats of the block's last document, embedded
+    and dropped, so that every rank makes the same forward calls); cached under a name of
+    its own (``*.<rank>of<world>.tokens``)."""
     from .._progress import progress_bar
 
     corpus_path = Path(corpus_path)
+    rank, world = part
     cleanup = None
     if cache_dir is not None:
         path = embeddings_file(encoder, corpus_key(corpus_path), cache_dir).with_suffix(
-            ".tokens")
+            ".tokens" if world == 1 else f".{rank}of{world}.tokens")
         if (path / _DOCS).exists():
             return TokenStore(path)
     else:
@@ -166,14 +185,21 @@ def embed_corpus_tokens(encoder: Any, corpus_path: str | Path, *, batch_size: in
         path = Path(cleanup.name) / "store"
     writer = None
     ids: list[str] = []
-    bar = progress_bar(desc="embed corpus tokens", unit="doc") if progress else None
+    bar = progress_bar(total=count_records(corpus_path), desc="embed corpus tokens",
+                       unit="doc") if progress else None
     for blk in iter_corpus(corpus_path, block):
-        for idx, rows in encoder.encode_tokens([t for _, t in blk], side="doc",
-                                               batch_size=batch_size, device=device):
+        share = -(-len(blk) // world)
+        lo = min(len(blk), rank * share)
+        mine = [t for _, t in blk[lo:lo + share]]
+        real = len(mine)
+        mine += [blk[-1][1]] * (share - real)  # every rank the same calls
+        for idx, rows in encoder.encode_tokens(mine, side="doc", batch_size=batch_size,
+                                               device=device):
             with cache_errors(path.parent):  # a read-only or full cache folder, named
                 if writer is None:
                     writer = TokenStoreWriter(path, rows[0].shape[1])
-                writer.add([len(ids) + i for i in idx], rows)
+                kept = [(len(ids) + lo + i, r) for i, r in zip(idx, rows) if i < real]
+                writer.add([i for i, _ in kept], [r for _, r in kept])
         ids.extend(d for d, _ in blk)
         if bar is not None:
             bar.update(len(blk))

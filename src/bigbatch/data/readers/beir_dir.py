@@ -29,7 +29,8 @@ from ..records.types import Doc, ImageDoc, Problem, Record, TrainRecord, problem
 from .files import open_data_file, outside_root, text_too_long
 from .jsonl import iter_jsonl, jsonl_rows, text_field
 
-__all__ = ["iter_corpus", "corpus_texts", "BeirData", "load_beir", "load_qrels", "load_queries", "read_beir",
+__all__ = ["iter_corpus", "count_records", "corpus_texts", "BeirData", "load_beir", "load_qrels",
+           "load_queries", "read_beir",
            "beir_training_records", "doc_text", "corpus_doc", "check_corpus_ids",
            "require_split"]
 
@@ -452,6 +453,16 @@ def _check_images(records: list[TrainRecord], root: Path, data_root: str | Path 
         raise DataError(f"{len(problems)} page image(s) that cannot be used:\n  "
                         + "\n  ".join(problem_lines(problems)), path=str(corpus_path),
                         field="image")
+
+
+def count_records(path: str | Path) -> int | None:
+    """Lines of a JSONL file that hold something (the total of a progress bar: one pass over
+    its bytes); None where it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return None
 
 
 def iter_corpus(path: str | Path, block: int = 4096) -> Iterator[list[tuple[str, str]]]:
