@@ -117,6 +117,27 @@ def test_refreshed_negatives_are_what_mine_gives_and_never_a_positive(assets, tm
     assert all(len(set(n)) == len(n) == 2 for n in negs)
 
 
+def test_a_multivector_model_refreshes_by_maxsim_as_mine_does(assets, tmp_path):
+    """--pooling multivector: the negatives mined after step 2 (MaxSim against the pool's
+    token store) are what ``bigbatch mine`` gives with the checkpoint's model folder."""
+    tiny, data = assets
+    out = tmp_path / "run"
+    train(config(assets, out, max_steps=4, save_steps=2, pooling="multivector",
+                 multivector_dim=16))
+    negs, mined_at = negatives_of(out / "checkpoint-000004")
+    assert mined_at == 2
+    mined = tmp_path / "mined.jsonl"
+    assert main(["mine", "--model", str(out / "checkpoint-000002" / "model"), "--data",
+                 str(data), "--output", str(mined), "--num-negatives", "2",
+                 "--max-score-ratio", "0", "--no-cache"]) == 0
+    by_pair = {(r["query_id"], r["positive_id"]): r["negative_ids"]
+               for r in map(json.loads, mined.read_text().splitlines())}
+    records = load_records(data)
+    assert len(by_pair) == len(records) == len(negs) == 64
+    assert all(by_pair[(r.query_id, r.positive_id)] == n for r, n in zip(records, negs))
+    assert sum(r["negatives_changed"] for r in rows(out, "refresh")[1:]) > 0
+
+
 def test_pairs_without_negatives_train_in_one_command(assets, tmp_path, capsys):
     """A JSONL of (query, positive) pairs: the pool is the records' own documents, written
     to a temporary corpus (the data file is left as it was)."""
@@ -191,7 +212,6 @@ def test_a_beir_folder_without_negatives_trains_from_the_command_line(assets, tm
     ({"negatives_rank_window": "10:5"}, "--negatives-rank-window must satisfy"),
     ({"negatives_rank_window": "0:1"}, "fewer than --num-hard-negatives 2"),
     ({"distill": "kl"}, "--distill: cannot be combined with --refresh-negatives-every"),
-    ({"pooling": "multivector"}, "--pooling: cannot be combined"),
 ])
 def test_bad_values_are_refused_before_step_1(assets, tmp_path, kw, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -547,13 +547,12 @@ class TrainConfig:
         if len(self.train_sources()) > 1:
             raise bad("refresh_negatives_every", "mines the negatives of one --train-data "
                                                  "source; give one")
-        for name, wrong in (("pooling", self.pooling == "multivector"),
-                            ("doc_negatives", self.doc_negatives == "corpus"),
+        for name, wrong in (("doc_negatives", self.doc_negatives == "corpus"),
                             ("distill", self.distill is not None)):
             if wrong:
                 raise bad(name, "cannot be combined with --refresh-negatives-every (mining "
-                                "needs one vector per document, hard negatives over the "
-                                "batch's documents, and no teacher scores of fixed negatives)")
+                                "needs hard negatives over the batch's documents, and no "
+                                "teacher scores of fixed negatives)")
         if self.negatives_corpus is not None and \
                 not (Path(self.negatives_corpus) / "corpus.jsonl").is_file():
             raise bad("negatives_corpus", "must be a BEIR folder holding corpus.jsonl")
