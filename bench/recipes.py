@@ -129,7 +129,8 @@ def run(name: str, model: str, data: Path) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         rows, eval_s = evaluate(model, data, done) if not done.exists() else \
             (json.loads(done.read_text()), None)
-        return {"adds": "all-MiniLM-L6-v2 as published", "rows": rows, "eval_seconds": eval_s}
+        return {"adds": "all-MiniLM-L6-v2 as published", "rows": recorded(rows, model, data),
+                "eval_seconds": eval_s}
     adds, kind, flags = RECIPES[name]
     if done.exists():
         return json.loads((folder / "result.json").read_text())
@@ -147,10 +148,27 @@ def run(name: str, model: str, data: Path) -> dict:
     else:
         train_s = bigbatch(*args, log=RUNS / f"{name}.train.log")
     rows, eval_s = evaluate(str(folder / MODEL_FOLDER.get(name, "final")), data, done)
-    result = {"adds": adds, "command": command, "flags": flags, "rows": rows,
-              "train_seconds": train_s, "eval_seconds": eval_s, "mine_seconds": mine_s}
+    result = {"adds": adds, "command": recorded(command, model, data), "flags": flags,
+              "rows": recorded(rows, model, data), "train_seconds": train_s,
+              "eval_seconds": eval_s, "mine_seconds": mine_s}
     (folder / "result.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def recorded(value, model: str, data: Path):
+    """``value`` (a string, or a list or dict of them) as the results file records it: the
+    model by its name, the data as ``data/scifact`` and this checkout's folders relative to
+    it, so that no path of the machine that measured is written."""
+    if isinstance(value, dict):
+        return {k: recorded(v, model, data) for k, v in value.items()}
+    if isinstance(value, list):
+        return [recorded(v, model, data) for v in value]
+    if not isinstance(value, str):
+        return value
+    for path, name in ((model, "all-MiniLM-L6-v2"), (str(data), "data/scifact"),
+                       (f"{ROOT}/", "")):
+        value = value.replace(path, name)
+    return value
 
 
 def table(results: dict) -> str:
