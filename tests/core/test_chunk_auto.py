@@ -319,3 +319,33 @@ def test_auto_weighs_padding_where_chunks_are_length_sorted():
     zero_grads(tower, loss_fn)
     reference_step({"query": tower, "doc": tower}, loss_fn, inputs)
     assert max_rel_err(got, grads_of(tower, loss_fn)) <= 1e-12
+
+
+def test_lengths_of_a_sample_weigh_padding_where_the_probe_rows_are_copies():
+    """``bigbatch train`` probes copies of the longest text (all one length: nothing to
+    weigh) and gives the token counts of a sample of the data: the cap is the one those
+    counts give, read at the same fraction of the rows when the sample is smaller."""
+    torch.manual_seed(0)
+    tower, loss_fn = TokenTower().to(DT).train(), bb.InfoNCE().to(DT)
+    gen = torch.Generator().manual_seed(1)
+    long = {"input_ids": torch.randint(1, 50, (4, 12), generator=gen),
+            "attention_mask": torch.ones(4, 12, dtype=torch.long)}
+    probe = {"query": long, "doc": long}
+    rows = {"query": 64, "doc": 64}
+    counts = [12] * 4 + [6] * 12 + [3] * 48  # a step's rows: a few long, most short
+    kw = dict(reuse_last_chunk=False, sort_by_length=True)
+    cache = bb.GradCache({"query": tower, "doc": tower}, loss_fn, chunk_size="auto",
+                         memory_budget=2 ** 40, **kw)
+    copies = cache.plan_chunks(probe, rows=rows, use=False)
+    assert copies.sizes == rows and not copies.fits
+    weighed = cache.plan_chunks(probe, rows=rows, lengths={"query": counts}, use=False)
+    assert weighed.sizes == {"query": sizing.padding_cap(sorted(counts, reverse=True), 64),
+                             "doc": 64} and weighed.fits == {"query": 64}
+    sample = counts[::4]  # a quarter of the rows, the same mix
+    halved = cache.plan_chunks(probe, rows=rows, lengths={"query": sample}, use=False)
+    cap = sizing.padding_cap(sorted(sample, reverse=True), 16)
+    assert halved.sizes["query"] == min(64, cap * 4) < 64
+    from bigbatch.train.memory_check import describe_sizes
+    line = describe_sizes(weighed, weighed.sizes, {})
+    assert f"(queries {weighed.sizes['query']}) (queries 64 fit: smaller length-sorted chunks " \
+           f"pad less), sized for a memory budget of" in line

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -459,6 +459,7 @@ class GradCache:
                     optimizer_bytes: int | None = None,
                     loss_kwargs: Mapping[str, Any] | None = None,
                     world_size: int | None = None, budget_name: str = "memory_budget",
+                    lengths: Mapping[str, Sequence[int]] | None = None,
                     use: bool = True) -> ChunkPlan:
         """Size the ``"auto"`` chunks for a memory budget, use the sizes (``use``), and return
         the :class:`~bigbatch.engine.sizing.ChunkPlan` (also kept as :attr:`memory_plan`).
@@ -486,6 +487,10 @@ class GradCache:
             world_size: processes whose rows the loss sees (default: the group's, with
                 ``cross_device``).
             budget_name: how errors name the budget (``--memory-budget``).
+            lengths: ``{tower: token counts}`` of a step's rows (or a sample of them), for
+                weighing padding (:func:`~bigbatch.engine.sizing.padding_cap`; with
+                ``sort_by_length``) where ``inputs`` are not a step's rows (copies of the
+                longest, say); default: the lengths of ``inputs``.
             use: use the sizes (False: only return the plan).
 
         Under ``torch.distributed`` every rank calls it (a step does): each measures its own
@@ -502,7 +507,7 @@ class GradCache:
                               "this engine's sizes are fixed")
         options = dict(rows=rows, budget=budget, parameter_bytes=parameter_bytes,
                        optimizer_bytes=optimizer_bytes, loss_kwargs=loss_kwargs,
-                       world_size=world_size, budget_name=budget_name)
+                       world_size=world_size, budget_name=budget_name, lengths=lengths)
         if not D.is_distributed(self.process_group):
             plan = self._local_plan(inputs, **options)
         else:
@@ -514,7 +519,8 @@ class GradCache:
     def _local_plan(self, inputs: Mapping[str, Any], *, rows: Mapping[str, int] | None,
                     budget: int | float | None, parameter_bytes: int | None,
                     optimizer_bytes: int | None, loss_kwargs: Mapping[str, Any] | None,
-                    world_size: int | None, budget_name: str) -> ChunkPlan:
+                    world_size: int | None, budget_name: str,
+                    lengths: Mapping[str, Sequence[int]] | None = None) -> ChunkPlan:
         """:meth:`plan_chunks` on this process's inputs alone."""
         device = self._sizing_device(inputs)
         if world_size is None:
@@ -551,26 +557,39 @@ class GradCache:
             + accelerators * sizing.DEVICE_RNG_STATE_BYTES,
             transient=max((p.numel() * p.element_size() for p in params), default=0),
             budget_name=budget_name)
-        return self._capped_for_padding(plan, inputs)
+        return self._capped_for_padding(plan, inputs, lengths or {})
 
-    def _capped_for_padding(self, plan: ChunkPlan, inputs: Mapping[str, Any]) -> ChunkPlan:
+    def _capped_for_padding(self, plan: ChunkPlan, inputs: Mapping[str, Any],
+                            lengths: Mapping[str, Sequence[int]]) -> ChunkPlan:
         """``plan`` with each row-sized tower's chunk lowered where length-sorted smaller
         chunks pad its rows to fewer tokens (:func:`~bigbatch.engine.sizing.padding_cap`);
         only with ``sort_by_length`` and ``trim_padding`` (each chunk cut to its own
-        longest row), and not for plain training (one pass, nothing replayed)."""
+        longest row), and not for plain training (one pass, nothing replayed). A tower's
+        token counts are ``lengths``' (a sample of fewer rows than a step's is read at the
+        same fraction of the rows) or its inputs'."""
         if plan.plain or not (self.sort_by_length and self.trim_padding) or \
                 type(self).split_inputs is not GradCache.split_inputs:
             return plan
         caps = {}
         for name in self._auto_rows:
-            value = inputs[name]
-            if name in plan.tokens or not isinstance(value, Mapping) or \
-                    not isinstance(value.get("attention_mask"), torch.Tensor):
+            if name in plan.tokens:
                 continue
-            lengths = (value["attention_mask"] != 0).sum(1).cpu()
-            ordered = lengths[chunking.length_order(value)].tolist()
-            cap = sizing.padding_cap(ordered, plan.sizes[name])
-            if cap < plan.sizes[name]:
+            counts = lengths.get(name)
+            if counts is None:
+                value = inputs[name]
+                if not isinstance(value, Mapping) or \
+                        not isinstance(value.get("attention_mask"), torch.Tensor):
+                    continue
+                counts = (value["attention_mask"] != 0).sum(1).tolist()
+            if not counts:
+                continue
+            ordered = sorted((int(c) for c in counts), reverse=True)
+            size, rows = plan.sizes[name], max(plan.rows[name], 1)
+            scale = len(ordered) / rows  # a sample: the same fraction of its rows
+            cap = sizing.padding_cap(ordered, max(1, round(size * scale))) if scale < 1 else \
+                sizing.padding_cap(ordered, size)
+            cap = min(size, max(1, round(cap / scale))) if scale < 1 else cap
+            if cap < size:
                 caps[name] = cap
         if not caps:
             return plan

@@ -28,9 +28,11 @@ from ..errors import ConfigError
 from .memory_estimate import StepMemory, activation_bytes, estimate_step_memory
 
 __all__ = ["estimate_run_step", "free_memory", "check_fits", "describe", "plan_run_chunks",
-           "probe_inputs", "check_first_step", "describe_sizes", "LONGEST_SCAN"]
+           "probe_inputs", "sample_lengths", "check_first_step", "describe_sizes",
+           "LONGEST_SCAN", "LENGTH_SAMPLE"]
 
 LONGEST_SCAN = 20_000  # records whose texts are searched for the longest (evenly spread)
+LENGTH_SAMPLE = 4096  # texts per side tokenized for the auto sizing's padding rule
 _LONGEST_TOKENIZED = 8  # of those, the longest by characters are tokenized to find the widest
 
 
@@ -50,13 +52,36 @@ def plan_run_chunks(cache: Any, encoder: Any, records: Sequence[Any], config: An
     k = config.num_hard_negatives if k is None else k
     rows = {name: config.batch_size * (1 if name == "query" else 1 + k) for name in cache.towers}
     probe = {name: probe_inputs(encoder, records, name, config) for name in cache.towers}
+    lengths = {name: n for name in cache.towers
+               if (n := sample_lengths(encoder, records, name, config, rows[name])) is not None}
     params = sum(p.numel() * p.element_size() for p in trainable) + \
         sum(p.numel() * p.element_size() for p in cache.loss_fn.parameters() if p.requires_grad)
     return cache.plan_chunks(probe, rows=rows, budget=config.memory_budget,
                              parameter_bytes=params,
                              optimizer_bytes=optimizer_state_bytes(optimizer),
                              world_size=world_size if cache.cross_device else 1,
-                             budget_name="--memory-budget")
+                             budget_name="--memory-budget", lengths=lengths)
+
+
+def sample_lengths(encoder: Any, records: Sequence[Any], side: str, config: Any,
+                   rows: int) -> list[int] | None:
+    """Token counts of up to ``rows`` (at most :data:`LENGTH_SAMPLE`) texts of a side spread
+    over the data, as the step tokenizes them: what a step's rows pad to, for the auto
+    sizing's padding rule (:func:`bigbatch.engine.sizing.padding_cap`). None where the side
+    is not text, or is collated chunk by chunk."""
+    if encoder.collate_fns() is not None:
+        return None
+    n = len(records)
+    want = min(rows, LENGTH_SAMPLE)
+    step = max(1, n // max(1, want))
+    picked = [records[i] for i in range(0, n, step)]
+    items = [r.query for r in picked] if side == "query" else \
+        [d for r in picked for d in (r.positive, *r.negatives)]
+    texts = [t for t in items if isinstance(t, str)][:want]
+    if not texts or len(texts) < min(want, len(items)):
+        return None
+    max_length = config.query_max_length if side == "query" else None
+    return encoder.step_inputs(texts, side, max_length=max_length)["attention_mask"].sum(1).tolist()
 
 
 def probe_inputs(encoder: Any, records: Sequence[Any], side: str, config: Any,
@@ -118,7 +143,13 @@ def describe_sizes(plan: ChunkPlan | None, sizes: dict[str, int], tokens: dict[s
         return text
     if plan.plain:
         text = f"chunk {chunk}: the whole batch in one pass (plain training)"
+    if plan.fits:
+        text += " (" + ", ".join(f"{_SIDES.get(n, n)} {plan.fits[n]} fit" for n in plan.fits) + \
+            ": smaller length-sorted chunks pad less)"
     return f"{text}, sized for a memory budget of {plan.budget / MiB:,.0f} MB"
+
+
+_SIDES = {"query": "queries", "doc": "documents"}
 
 
 def _sizes(plan: ChunkPlan) -> str:
