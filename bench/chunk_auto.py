@@ -116,17 +116,23 @@ def speed(rows: list[dict], args: argparse.Namespace) -> dict[str, list[float]]:
     tower, params, inputs = build(args.model, args.device, args.max_length, args.batch)
     sizer, opt = engine(tower, params, args.device, "auto", 2 ** 40)
     plan = sizer.plan_chunks(inputs, use=False)  # each size's plan: this one at its sizes
-    contenders = {}
-    for r in rows:
+    contenders, same = {}, {}  # one contender per distinct plan: a budget's auto sizes that
+    for r in rows:             # are a fixed chunk's are the same computation, timed once
         if "failed" in r:
             continue
+        key = json.dumps(r["plan"], sort_keys=True)
+        if key in same:
+            same[key].append(f"{r['kind']}_{r['value']}")
+            continue
+        same[key] = [f"{r['kind']}_{r['value']}"]
         cache, _ = engine(tower, params, args.device, "auto", 2 ** 40,
                           plan=plan.at(r["plan"]["sizes"], r["plan"]["tokens"],
                                        r["plan"]["plain"]))
-        contenders[f"{r['kind']}_{r['value']}"] = (lambda c=cache: c.step(**inputs))
-    return timed_rounds(contenders, args.rounds, args.device,
-                        before=lambda: opt.zero_grad(set_to_none=True), after=opt.step,
-                        warmup=False)
+        contenders[key] = (lambda c=cache: c.step(**inputs))
+    times = timed_rounds(contenders, args.rounds, args.device,
+                         before=lambda: opt.zero_grad(set_to_none=True), after=opt.step,
+                         warmup=False, names={k: "=".join(v) for k, v in same.items()})
+    return {name: times[key] for key, names in same.items() for name in names}
 
 
 def main() -> None:

@@ -238,11 +238,14 @@ def model_folder(name: str) -> str:
 def timed_rounds(contenders: dict[str, Callable[[], object]], rounds: int, device: str,
                  before: Callable[[], object] = lambda: None,
                  after: Callable[[], object] = lambda: None,
-                 warmup: bool = True) -> dict[str, list[float]]:
-    """Seconds of each contender per round, run interleaved (a b c a b c ...) so a shared
-    machine's interference spreads over all; ``before`` and ``after`` run around each call
-    (zero_grad, optimizer.step) and are timed with it; CUDA is synchronised around each. One
-    untimed warm-up call each first (``warmup``)."""
+                 warmup: bool = True,
+                 names: dict[str, str] | None = None) -> dict[str, list[float]]:
+    """Seconds of each contender per round, run interleaved (a b c, then b c a, c a b: each
+    round starts one later, so no contender always runs first or after the same one) so a
+    shared machine's interference spreads over all; ``before`` and ``after`` run around each
+    call (zero_grad, optimizer.step) and are timed with it; CUDA is synchronised around each.
+    One untimed warm-up call each first (``warmup``). ``names``: how the progress lines name
+    the contenders (default: their keys' first word)."""
     import torch
 
     cuda = device.startswith("cuda")
@@ -262,11 +265,13 @@ def timed_rounds(contenders: dict[str, Callable[[], object]], rounds: int, devic
         for fn in contenders.values():
             timed(fn)
     times: dict[str, list[float]] = {k: [] for k in contenders}
+    keys = list(contenders)
     for r in range(rounds):
-        for k, fn in contenders.items():
-            times[k].append(timed(fn))
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            times[k].append(timed(contenders[k]))
+        shown = names or {k: k.split("_")[0] for k in keys}
         print(f"round {r + 1}/{rounds}: " +
-              ", ".join(f"{k.split('_')[0]} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
+              ", ".join(f"{shown[k]} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
     return times
 
 
