@@ -110,6 +110,16 @@ def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def checkout(package: Path) -> str:
+    """The commit of the checkout holding the measured ``bigbatch`` (which one was measured,
+    without the path it lies at), or ``"installed"`` outside a git checkout."""
+    import subprocess
+
+    p = subprocess.run(["git", "-C", str(package), "rev-parse", "--short", "HEAD"],
+                       capture_output=True, text=True)
+    return p.stdout.strip() if p.returncode == 0 else "installed"
+
+
 def main() -> None:
     import torch.multiprocessing as mp
 
@@ -125,7 +135,7 @@ def main() -> None:
 
     import bigbatch
 
-    print(json.dumps({"bigbatch": os.path.dirname(bigbatch.__file__), "date": now(),
+    print(json.dumps({"bigbatch": checkout(Path(bigbatch.__file__).parent), "date": now(),
                       "machine": machine("cpu"), "load_average": os.getloadavg(),
                       "steps": args.steps}))
     for name, res in json.loads(Path(out).read_text()).items():
