@@ -37,7 +37,8 @@ from ..errors import ConfigError, InputError
 
 __all__ = [
     "Chunk", "RawChunk", "GatheredChunk", "materialize", "rows_of", "chunk_bounds",
-    "split_inputs", "token_spans", "trim_columns", "length_order", "ordered_chunks",
+    "split_inputs", "token_spans", "trim_columns", "row_lengths", "length_order",
+    "ordered_chunks",
     "index_rows", "to_device", "first_device", "token_bounds",
     "chunk_sizes", "collate_fns", "checked_split",
 ]
@@ -327,13 +328,21 @@ def trim_columns(chunk: dict, span: tuple[int, int], t: int, rows: int) -> dict:
             and v.shape[1] == t else v for k, v in chunk.items()}
 
 
+def row_lengths(inputs: Any) -> Tensor | None:
+    """Each row's token count of a tokenized dict (its ``attention_mask``'s unmasked
+    positions, on the CPU), or None when there is no ``attention_mask`` to measure."""
+    if isinstance(inputs, Mapping) and isinstance(inputs.get("attention_mask"), Tensor):
+        return (inputs["attention_mask"] != 0).sum(1).cpu()
+    return None
+
+
 def length_order(inputs: Any) -> Tensor | None:
     """The permutation putting a tokenized dict's rows in descending token count (stable, on
     the CPU), or None when there is no ``attention_mask`` to measure."""
-    if isinstance(inputs, Mapping) and isinstance(inputs.get("attention_mask"), Tensor):
-        lengths = (inputs["attention_mask"] != 0).sum(1)
-        return torch.argsort(lengths.cpu(), descending=True, stable=True)
-    return None  # nothing to measure: chunk in the given order
+    lengths = row_lengths(inputs)
+    if lengths is None:
+        return None  # nothing to measure: chunk in the given order
+    return torch.argsort(lengths, descending=True, stable=True)
 
 
 def ordered_chunks(inputs: Mapping, order: Tensor, chunk_size: int, *,

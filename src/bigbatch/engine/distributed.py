@@ -63,7 +63,8 @@ from .. import errors
 
 __all__ = [
     "WorldInfo", "world_info", "is_distributed", "init_distributed", "gather_with_grad",
-    "all_gather_rows", "all_reduce_max", "all_reduce_gradients", "Gathered", "unwrap_ddp", "is_fsdp",
+    "all_gather_rows", "all_reduce_max", "padded_share", "all_reduce_gradients", "Gathered",
+    "unwrap_ddp", "is_fsdp",
     "raise_together", "share_failure", "exchange_failure", "mark_shared", "is_shared",
     "GatherState", "PeerFailed",
 ]
@@ -172,6 +173,19 @@ def all_gather_rows(t: Tensor, group: Any = None, sizes: Sequence[int] | None = 
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(t.device)
+
+
+def padded_share(items: Sequence[Any], rank: int, world: int) -> tuple[int, list[Any], int]:
+    """Rank ``rank``'s share of ``items`` when ``world`` ranks split them in order:
+    ``(start, share, real)``, the share ``ceil(len / world)`` items long on every rank (the
+    last ones padded with repeats of the last item, so that every rank makes the same calls;
+    a sharded model's forwards are collective) of which the first ``real`` are its own."""
+    n = len(items)
+    size = -(-n // world)
+    start = min(n, rank * size)
+    share = list(items[start:start + size])
+    real = len(share)
+    return start, share + [items[n - 1]] * (size - real), real
 
 
 def all_reduce_max(t: Tensor, group: Any = None) -> Tensor:

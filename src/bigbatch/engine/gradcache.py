@@ -576,19 +576,16 @@ class GradCache:
                 continue
             counts = lengths.get(name)
             if counts is None:
-                value = inputs[name]
-                if not isinstance(value, Mapping) or \
-                        not isinstance(value.get("attention_mask"), torch.Tensor):
-                    continue
-                counts = (value["attention_mask"] != 0).sum(1).tolist()
+                measured = chunking.row_lengths(inputs[name])
+                counts = [] if measured is None else measured.tolist()
             if not counts:
                 continue
             ordered = sorted((int(c) for c in counts), reverse=True)
-            size, rows = plan.sizes[name], max(plan.rows[name], 1)
-            scale = len(ordered) / rows  # a sample: the same fraction of its rows
-            cap = sizing.padding_cap(ordered, max(1, round(size * scale))) if scale < 1 else \
-                sizing.padding_cap(ordered, size)
-            cap = min(size, max(1, round(cap / scale))) if scale < 1 else cap
+            size = plan.sizes[name]
+            # a sample of fewer rows than a step's: the same fraction of its rows
+            scale = min(1.0, len(ordered) / max(plan.rows[name], 1))
+            cap = sizing.padding_cap(ordered, max(1, round(size * scale)))
+            cap = min(size, max(1, round(cap / scale)))
             if cap < size:
                 caps[name] = cap
         if not caps:

@@ -57,11 +57,8 @@ class SplitEncoder:
             return enc.encode(items, side=side, batch_size=batch_size, device=device,
                               progress=progress if info.is_main else None,
                               autocast_dtype=autocast_dtype)
-        share = -(-n // info.world_size)
-        lo = min(n, info.rank * share)
-        mine = list(items[lo:lo + share])
-        real = len(mine)
-        mine += [items[n - 1]] * (share - real)  # every rank the same calls
+        _, mine, real = D.padded_share(items, info.rank, info.world_size)
+        share = len(mine)
         emb = enc.encode(mine, side=side, batch_size=batch_size, device=device,
                          progress=progress if info.is_main else None,
                          autocast_dtype=autocast_dtype)

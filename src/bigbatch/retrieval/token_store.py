@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ..data.readers.beir_dir import count_records, iter_corpus
 from ..data.readers.files import cache_errors
+from ..engine.distributed import padded_share
 from ..engine.embeddings import TokenEmbeddings, stack_rows
 from ..losses.maxsim import maxsim_scores
 from .corpus_cache import corpus_key, embeddings_file
@@ -188,11 +189,7 @@ def embed_corpus_tokens(encoder: Any, corpus_path: str | Path, *, batch_size: in
     bar = progress_bar(total=count_records(corpus_path), desc="embed corpus tokens",
                        unit="doc") if progress else None
     for blk in iter_corpus(corpus_path, block):
-        share = -(-len(blk) // world)
-        lo = min(len(blk), rank * share)
-        mine = [t for _, t in blk[lo:lo + share]]
-        real = len(mine)
-        mine += [blk[-1][1]] * (share - real)  # every rank the same calls
+        lo, mine, real = padded_share([t for _, t in blk], rank, world)
         for idx, rows in encoder.encode_tokens(mine, side="doc", batch_size=batch_size,
                                                device=device):
             with cache_errors(path.parent):  # a read-only or full cache folder, named

@@ -71,12 +71,8 @@ def sample_lengths(encoder: Any, records: Sequence[Any], side: str, config: Any,
     is not text, or is collated chunk by chunk."""
     if encoder.collate_fns() is not None:
         return None
-    n = len(records)
     want = min(rows, LENGTH_SAMPLE)
-    step = max(1, n // max(1, want))
-    picked = [records[i] for i in range(0, n, step)]
-    items = [r.query for r in picked] if side == "query" else \
-        [d for r in picked for d in (r.positive, *r.negatives)]
+    items = _side_items(records, side, want)
     texts = [t for t in items if isinstance(t, str)][:want]
     if not texts or len(texts) < min(want, len(items)):
         return None
@@ -90,13 +86,7 @@ def probe_inputs(encoder: Any, records: Sequence[Any], side: str, config: Any,
     negatives) among :data:`LONGEST_SCAN` records spread over the data, as the step
     tokenizes it (cut at ``--max-length``, queries at ``--query-max-length``), so the probe's
     width bounds every step's; documents that are not text (page images): the first ones."""
-    n = len(records)
-    step = max(1, n // LONGEST_SCAN)
-    picked = [records[i] for i in range(0, n, step)][:LONGEST_SCAN]
-    if side == "query":
-        items = [r.query for r in picked]
-    else:
-        items = [d for r in picked for d in (r.positive, *r.negatives)]
+    items = _side_items(records, side, LONGEST_SCAN)
     texts = [t for t in items if isinstance(t, str)]
     max_length = config.query_max_length if side == "query" else None
     if len(texts) < len(items):  # images: as they come
@@ -107,6 +97,16 @@ def probe_inputs(encoder: Any, records: Sequence[Any], side: str, config: Any,
     widths = encoder.step_inputs(longest, side, max_length=max_length)["attention_mask"].sum(1)
     widest = longest[int(widths.argmax())]
     return encoder.step_inputs([widest] * rows, side, max_length=max_length)
+
+
+def _side_items(records: Sequence[Any], side: str, count: int) -> list[Any]:
+    """The texts (or page images) of a side, queries or documents (positives and
+    negatives), of up to ``count`` records spread evenly over the data."""
+    step = max(1, len(records) // max(1, count))
+    picked = [records[i] for i in range(0, len(records), step)][:count]
+    if side == "query":
+        return [r.query for r in picked]
+    return [d for r in picked for d in (r.positive, *r.negatives)]
 
 
 def check_first_step(plan: ChunkPlan, peak: int | None, optimizer: torch.optim.Optimizer
