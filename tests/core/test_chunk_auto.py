@@ -28,6 +28,7 @@ from torch import nn
 import bigbatch as bb
 from bigbatch.engine import sizing
 from bigbatch.engine.sizing import ActivationCost, StepMemory, choose_chunks
+from bigbatch.errors import ConfigError
 
 
 class TokenTower(nn.Module):
@@ -82,6 +83,29 @@ def test_a_larger_budget_gives_a_larger_chunk_and_every_estimate_fits():
         assert plan.memory.total <= budget and not plan.plain
         sizes.append(plan.sizes["doc"])
     assert sizes[0] < sizes[1] < sizes[2] and sizes[0] >= 1
+
+
+def test_a_negative_queue_is_counted_in_the_floor_and_the_loss_block():
+    """A queue's documents (``queued_rows``) are held QUEUE_COPIES times and are columns of
+    every loss block, so the same budget gives a smaller chunk with a queue than without."""
+    tower, loss_fn, inputs = _setup()
+    fixed, plain = _floor(tower, loss_fn, inputs)
+    budget = fixed + int(plain.costs["doc"].per_row * 9) + 16 * sizing.CPU_RNG_STATE_BYTES
+    queued = 400
+    cache = bb.GradCache({"query": tower, "doc": tower}, loss_fn, chunk_size="auto",
+                         memory_budget=budget)
+    without = cache.plan_chunks(inputs, use=False)
+    with_queue = cache.plan_chunks(inputs, queued_rows=queued, use=False)
+    row = plain.costs["doc"].row_bytes
+    assert row == 16 * 8  # 16 float64 dims
+    assert without.memory.negative_queue == 0
+    assert with_queue.memory.negative_queue == sizing.QUEUE_COPIES * queued * row
+    assert with_queue.memory.loss_block == loss_fn.memory_hint(
+        {"query": 8, "doc": 16, "queued": queued}) > without.memory.loss_block
+    assert with_queue.memory.total <= budget and without.memory.total <= budget
+    assert with_queue.sizes["doc"] < without.sizes["doc"]
+    with pytest.raises(ConfigError, match="the negative queue 1 MB"):
+        cache.plan_chunks(inputs, queued_rows=3000, use=False)
 
 
 def test_a_budget_above_the_plain_step_trains_plainly_with_the_unchunked_gradient():

@@ -460,7 +460,7 @@ class GradCache:
                     loss_kwargs: Mapping[str, Any] | None = None,
                     world_size: int | None = None, budget_name: str = "memory_budget",
                     lengths: Mapping[str, Sequence[int]] | None = None,
-                    use: bool = True) -> ChunkPlan:
+                    queued_rows: int = 0, use: bool = True) -> ChunkPlan:
         """Size the ``"auto"`` chunks for a memory budget, use the sizes (``use``), and return
         the :class:`~bigbatch.engine.sizing.ChunkPlan` (also kept as :attr:`memory_plan`).
         A step of an engine with ``"auto"`` sizes calls it on its first inputs; call it
@@ -491,6 +491,10 @@ class GradCache:
                 weighing padding (:func:`~bigbatch.engine.sizing.padding_cap`; with
                 ``sort_by_length``) where ``inputs`` are not a step's rows (copies of the
                 longest, say); default: the lengths of ``inputs``.
+            queued_rows: documents of earlier steps the loss scores beside the batch's (a
+                negative queue, the same on every rank): their embeddings are counted in
+                the floor (:attr:`~bigbatch.engine.sizing.StepMemory.negative_queue`) and
+                their columns in the loss block (``rows["queued"]`` of the hint).
             use: use the sizes (False: only return the plan).
 
         Under ``torch.distributed`` every rank calls it (a step does): each measures its own
@@ -507,7 +511,8 @@ class GradCache:
                               "this engine's sizes are fixed")
         options = dict(rows=rows, budget=budget, parameter_bytes=parameter_bytes,
                        optimizer_bytes=optimizer_bytes, loss_kwargs=loss_kwargs,
-                       world_size=world_size, budget_name=budget_name, lengths=lengths)
+                       world_size=world_size, budget_name=budget_name, lengths=lengths,
+                       queued_rows=queued_rows)
         if not D.is_distributed(self.process_group):
             plan = self._local_plan(inputs, **options)
         else:
@@ -520,7 +525,8 @@ class GradCache:
                     budget: int | float | None, parameter_bytes: int | None,
                     optimizer_bytes: int | None, loss_kwargs: Mapping[str, Any] | None,
                     world_size: int | None, budget_name: str,
-                    lengths: Mapping[str, Sequence[int]] | None = None) -> ChunkPlan:
+                    lengths: Mapping[str, Sequence[int]] | None = None,
+                    queued_rows: int = 0) -> ChunkPlan:
         """:meth:`plan_chunks` on this process's inputs alone."""
         device = self._sizing_device(inputs)
         if world_size is None:
@@ -531,8 +537,10 @@ class GradCache:
             {name: self._rows_of(name, inputs[name]) for name in self.towers}
         dims, tokens = {n: c.dim for n, c in costs.items()}, {n: c.tokens for n, c in costs.items()}
         loss = self._loss_bytes({n: rows[n] * world_size for n in rows}, dims, tokens,
-                                loss_kwargs or {}, device, world_size)
+                                loss_kwargs or {}, device, world_size, queued_rows)
         emb = sum(rows[n] * costs[n].cost.row_bytes for n in rows)
+        docs = costs.get("doc") or list(costs.values())[-1]  # what a queue holds: documents
+        queue = sizing.QUEUE_COPIES * queued_rows * docs.cost.row_bytes
         if world_size > 1:  # the gathered embeddings of every rank, beside this rank's own
             emb += sum(rows[n] * world_size * costs[n].cost.row_bytes for n in rows)
         params = self._trainable_params()
@@ -542,7 +550,8 @@ class GradCache:
             optimizer_bytes = sizing.optimizer_state_bytes(self.optimizer)
         base = StepMemory(embeddings=emb, embedding_grads=emb, rng_states=0,
                           parameter_grads=parameter_bytes, chunk_activations=0,
-                          loss_block=loss, optimizer_states=optimizer_bytes)
+                          loss_block=loss, optimizer_states=optimizer_bytes,
+                          negative_queue=queue)
         given = {n: s for n, s in self.chunk_sizes.items()
                  if n not in self._auto_rows and n not in self._auto_tokens}
         caps = {n: s for n, s in self.chunk_sizes.items() if n not in self._auto_rows}
@@ -719,12 +728,14 @@ class GradCache:
 
     def _loss_bytes(self, rows: Mapping[str, int], dims: Mapping[str, int],
                     tokens: Mapping[str, int], loss_kwargs: Mapping[str, Any],
-                    device: torch.device, world_size: int) -> int:
-        """One loss block: the loss's ``memory_hint`` where it has one; else twice what the
-        loss keeps for its backward on random embeddings of this rank's shapes (times the
-        number of ranks squared across ranks: its pairs grow so)."""
+                    device: torch.device, world_size: int, queued_rows: int = 0) -> int:
+        """One loss block: the loss's ``memory_hint`` where it has one (``queued_rows``, a
+        negative queue's documents, as ``rows["queued"]``); else twice what the loss keeps
+        for its backward on random embeddings of this rank's shapes (times the number of
+        ranks squared across ranks: its pairs grow so)."""
         hint = getattr(self.loss_fn, "memory_hint", None)
-        value = hint(dict(rows), dict(dims), dict(tokens)) if callable(hint) else None
+        seen = {**rows, "queued": queued_rows} if queued_rows else dict(rows)
+        value = hint(seen, dict(dims), dict(tokens)) if callable(hint) else None
         if value is not None:
             return int(value)
         local = {n: rows[n] // world_size for n in rows}

@@ -8,14 +8,15 @@ The peak of a step, with ``c_t`` rows per chunk of tower ``t``::
 
     floor + max_t activations_t(c_t) + one loss block <= budget
 
-where the floor is what the batch needs whatever the chunk: the cached embeddings and
-their gradients, one random state per replayed chunk, the parameters' gradients and the
-optimizer's states. A chunk's activations grow linearly with its rows at a given width
-(``per_row x rows + fixed``), measured at the width of the longest rows, so a chunk of
-shorter rows costs less. With a token budget (``chunk_tokens="auto"``) the same room is
-divided by the cost of one token at that width (the largest per token, since attention
-grows with the width). When every tower's whole batch fits at once with its graph kept,
-the step is plain training: one pass, no replay (:attr:`ChunkPlan.plain`).
+where the floor is what the batch needs whatever the chunk: the cached embeddings and their
+gradients, one random state per replayed chunk, the parameters' gradients, the optimizer's
+states and a negative queue's documents (:data:`QUEUE_COPIES` times). A chunk's activations
+grow linearly with its rows at a given width (``per_row x rows + fixed``), measured at the
+width of the longest rows, so a chunk of shorter rows costs less. With a token budget
+(``chunk_tokens="auto"``) the same room is divided by the cost of one token at that width
+(the largest per token, since attention grows with the width). When every tower's whole
+batch fits at once with its graph kept, the step is plain training: one pass, no replay
+(:attr:`ChunkPlan.plain`).
 
 Padding is weighed too (:func:`padding_cap`): where chunks hold length-sorted rows, each
 padded to its own longest, a chunk of a tower's short rows (queries, say) that fits the
@@ -52,7 +53,7 @@ from ..errors import ConfigError
 __all__ = ["StepMemory", "ActivationCost", "ChunkPlan", "activation_bytes", "choose_chunks",
            "free_memory", "check_budget", "budget_bytes", "optimizer_state_bytes", "PeakMemory",
            "CPU_RNG_STATE_BYTES", "DEVICE_RNG_STATE_BYTES", "OPTIMIZER_STATES", "ACTIVATION_MARGIN",
-           "STEP_OVERHEAD", "MiB", "PADDING_TOLERANCE", "padded_tokens", "padding_cap"]
+           "STEP_OVERHEAD", "MiB", "PADDING_TOLERANCE", "QUEUE_COPIES", "padded_tokens", "padding_cap"]
 
 MiB = 2 ** 20
 
@@ -79,6 +80,11 @@ in one chunk (5,888 tokens), 5.7 s in 2 (4,224), 4.4-5.2 s in 4 (3,424), 4.1-4.7
 (3,056) and 4.3-4.7 s in 16 (2,880): below about 10% fewer tokens, the extra chunks cost
 what the padding saved."""
 
+QUEUE_COPIES = 3
+"""A negative queue's documents are held this many times at a step's peak: each step's
+embeddings as queued, their joined copy (:meth:`bigbatch.losses.queue.NegativeQueue.queued`)
+and the loss's columns, the batch's documents then the queued ones."""
+
 # tensors per parameter an optimizer keeps, before its first step has made them (Adam's
 # two moments, momentum's one); an optimizer not named here is counted as Adam
 OPTIMIZER_STATES: dict[str, int] = {
@@ -91,7 +97,8 @@ OPTIMIZER_STATES: dict[str, int] = {
 class StepMemory:
     """Bytes one step adds at its peak, by part: the cached embeddings and their gradients,
     the random states of the replayed chunks, the parameters' gradients, the optimizer's
-    states (from its first step on), one chunk's activations and one block of the loss."""
+    states (from its first step on), one chunk's activations, one block of the loss, and
+    the embeddings a negative queue keeps from earlier steps (``--negative-queue``)."""
 
     embeddings: int
     embedding_grads: int
@@ -100,13 +107,15 @@ class StepMemory:
     chunk_activations: int
     loss_block: int
     optimizer_states: int = 0
+    negative_queue: int = 0
 
     @property
     def floor(self) -> int:
         """What the batch needs whatever the chunk: embeddings, their gradients, random
-        states, the parameters' gradients and the optimizer's states."""
+        states, the parameters' gradients, the optimizer's states and a negative queue's
+        embeddings."""
         return (self.embeddings + self.embedding_grads + self.rng_states + self.parameter_grads
-                + self.optimizer_states)
+                + self.optimizer_states + self.negative_queue)
 
     @property
     def total(self) -> int:
@@ -380,7 +389,9 @@ def _too_small(budget: int, base: StepMemory, costs: Mapping[str, ActivationCost
         f"per chunk, which needs {smallest:,} MB: cached embeddings and their gradients "
         f"{mb['embeddings'] + mb['embedding_grads']:,.0f} MB, parameter gradients "
         f"{mb['parameter_grads']:,.0f} MB, optimizer states {mb['optimizer_states']:,.0f} MB, "
-        f"one loss block {mb['loss_block']:,.0f} MB, one row's activations "
+        f"one loss block {mb['loss_block']:,.0f} MB, "
+        + (f"the negative queue {mb['negative_queue']:,.0f} MB, " if need.negative_queue else "")
+        + f"one row's activations "
         f"{mb['chunk_activations']:,.0f} MB; give a budget of {smallest:,}MB or more (or lower "
         f"the batch size or the max length)")
 

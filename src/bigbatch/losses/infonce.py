@@ -202,10 +202,10 @@ class InfoNCE(TemperatureLoss):
         ``rows`` queries and documents (as the loss sees them: the global batch across
         ranks): one block of logits and its mask (:func:`~bigbatch.losses.layout.loss_block_bytes`;
         the symmetric direction's blocks come after the other's). ``GradCache(chunk_size=
-        "auto")`` reads it."""
+        "auto")`` reads it; ``rows["queued"]``: a negative queue's documents, extra columns)."""
         b, n = rows["query"], rows["doc"]
         cols = n + (b if "qq" in self.extra_negatives else 0) + \
-            (n if "dd" in self.extra_negatives else 0)
+            (n if "dd" in self.extra_negatives else 0) + rows.get("queued", 0)
         blocks = dict(block_size=self.block_size, dense=self.dense,
                       max_block_logits=self.max_block_logits, masked=True)
         out = loss_block_bytes(b, cols, **blocks)

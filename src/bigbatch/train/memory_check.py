@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from .memory_estimate import StepMemory, activation_bytes, estimate_step_memory
 
 __all__ = ["estimate_run_step", "free_memory", "check_fits", "describe", "plan_run_chunks",
-           "probe_inputs", "sample_lengths", "check_first_step", "describe_sizes",
+           "probe_inputs", "sample_lengths", "queued_rows", "check_first_step", "describe_sizes",
            "LONGEST_SCAN", "LENGTH_SAMPLE"]
 
 LONGEST_SCAN = 20_000  # records whose texts are searched for the longest (evenly spread)
@@ -60,7 +60,8 @@ def plan_run_chunks(cache: Any, encoder: Any, records: Sequence[Any], config: An
                              parameter_bytes=params,
                              optimizer_bytes=optimizer_state_bytes(optimizer),
                              world_size=world_size if cache.cross_device else 1,
-                             budget_name="--memory-budget", lengths=lengths)
+                             budget_name="--memory-budget", lengths=lengths,
+                             queued_rows=queued_rows(config, rows.get("doc", 0) * world_size))
 
 
 def sample_lengths(encoder: Any, records: Sequence[Any], side: str, config: Any,
@@ -189,7 +190,14 @@ def estimate_run_step(cache: Any, encoder: Any, records: Sequence[Any], config: 
                                 chunk_size=cache.chunk_sizes, chunk_activation_bytes=acts,
                                 parameter_bytes=params, loss_rows=local,
                                 loss_columns=global_docs, block_size=config.loss_block_size
-                                or None, dense=config.loss_block_size == 0, masked=True)
+                                or None, dense=config.loss_block_size == 0, masked=True,
+                                queued_rows=queued_rows(config, global_docs))
+
+
+def queued_rows(config: Any, global_docs: int) -> int:
+    """The documents ``--negative-queue`` holds once full: that many steps of the global
+    batch's documents (0 without a queue)."""
+    return (config.negative_queue or 0) * global_docs
 
 
 def describe(estimate: StepMemory) -> str:
@@ -197,6 +205,8 @@ def describe(estimate: StepMemory) -> str:
     mb = estimate.as_mb()
     states = f", optimizer states {mb['optimizer_states']:,.0f} MB" \
         if estimate.optimizer_states else ""
+    if estimate.negative_queue:
+        states += f", negative queue {mb['negative_queue']:,.0f} MB"
     return (f"step memory ~{mb['total']:,.0f} MB (estimate: cached embeddings and their "
             f"gradients {mb['embeddings'] + mb['embedding_grads']:,.0f} MB, parameter gradients "
             f"{mb['parameter_grads']:,.0f} MB{states}, one chunk "
@@ -216,4 +226,5 @@ def check_fits(estimate: StepMemory, free: int | None, device: torch.device) -> 
         f"--num-hard-negatives), one chunk's activations {mb['chunk_activations']:,.0f} MB "
         f"(lower --grad-cache-chunk or --max-length), one loss block {mb['loss_block']:,.0f} "
         f"MB (lower --loss-block-size), parameter gradients {mb['parameter_grads']:,.0f} MB "
-        f"(LoRA: --lora-r)")
+        f"(LoRA: --lora-r)" + (f", the negative queue {mb['negative_queue']:,.0f} MB (lower "
+                               f"--negative-queue)" if estimate.negative_queue else ""))

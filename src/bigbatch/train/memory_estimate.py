@@ -12,7 +12,9 @@ kept for reuse) and nothing that grows faster with the batch:
 - one block of the streamed loss: ``rows_per_block x N`` logits in the embeddings' dtype,
   plus one byte each for the mask of excluded columns (``doc_ids`` or a margin), under the
   block rule of :mod:`bigbatch.losses.blockwise`; the dense loss holds about four ``B x N``
-  tensors instead.
+  tensors instead;
+- a negative queue's documents (``--negative-queue``), more columns of the loss and their
+  embeddings held a few times (:data:`~bigbatch.engine.sizing.QUEUE_COPIES`).
 
 Everything here is arithmetic on sizes except :func:`activation_bytes`, which runs the
 given function once. The inputs are not counted: they exist before the step, and the
@@ -29,6 +31,7 @@ from collections.abc import Mapping
 from ..engine.sizing import (
     CPU_RNG_STATE_BYTES,
     DEVICE_RNG_STATE_BYTES,
+    QUEUE_COPIES,
     StepMemory,
     activation_bytes,
 )
@@ -43,7 +46,7 @@ def estimate_step_memory(rows: Mapping[str, int], dims: int | Mapping[str, int],
                          loss_columns: int | None = None, block_size: int | None = None,
                          dense: bool = False, max_block_logits: int = MAX_BLOCK_LOGITS,
                          masked: bool = False, element_size: int = 4,
-                         accelerators: int = 0) -> StepMemory:
+                         accelerators: int = 0, queued_rows: int = 0) -> StepMemory:
     """Estimate the memory one step adds at its peak.
 
     Args:
@@ -60,6 +63,9 @@ def estimate_step_memory(rows: Mapping[str, int], dims: int | Mapping[str, int],
         masked: the loss excludes columns (``doc_ids`` or ``false_negative_margin``).
         element_size: bytes per embedding and logit element (4 for float32).
         accelerators: accelerator devices whose random state each chunk records.
+        queued_rows: a negative queue's documents (``--negative-queue`` steps of the global
+            batch's): extra columns of the loss, their embeddings held
+            :data:`~bigbatch.engine.sizing.QUEUE_COPIES` times.
 
     Returns:
         :class:`StepMemory`; ``.total`` is the estimate in bytes.
@@ -72,8 +78,10 @@ def estimate_step_memory(rows: Mapping[str, int], dims: int | Mapping[str, int],
     rng = max(chunks, 0) * (CPU_RNG_STATE_BYTES + accelerators * DEVICE_RNG_STATE_BYTES)
     b = rows[names[0]] if loss_rows is None else loss_rows
     n = rows[names[-1]] if loss_columns is None else loss_columns
-    loss = loss_block_bytes(b, n, block_size, dense, max_block_logits, masked, element_size)
+    loss = loss_block_bytes(b, n + queued_rows, block_size, dense, max_block_logits, masked,
+                            element_size)
+    queue = QUEUE_COPIES * queued_rows * dim[names[-1]] * element_size
     return StepMemory(embeddings=emb, embedding_grads=emb, rng_states=rng,
                       parameter_grads=parameter_bytes, chunk_activations=chunk_activation_bytes,
-                      loss_block=loss)
+                      loss_block=loss, negative_queue=queue)
 
