@@ -161,6 +161,15 @@ def test_the_mining_counts_are_the_recorded_report():
         f"{r['negatives_written']:,} negatives")
 
 
+def test_the_recipe_study_table_is_its_results_file():
+    """Every row of docs/recipes.md's results table is what ``bench/recipes.py --table``
+    prints from bench/results/recipes-cpu.json: no measured run is missing from the page,
+    and no figure on it differs from the record."""
+    from recipes import table
+
+    has("docs/recipes.md", *table(result("recipes-cpu.json")["runs"]).splitlines())
+
+
 def test_the_cpu_bf16_cost_is_its_record():
     ratio = f"{result('cpu-bf16.json')['bf16_over_fp32']:.1f}x"
     for page in ("docs/troubleshooting.md", "configs/demo_scifact.yaml"):
