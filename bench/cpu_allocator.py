@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS, RESULTS, machine, now, weights
+from common import MODELS, RESULTS, machine, now, timed_rounds, weights
 
 SETTINGS: dict[str, dict[str, str]] = {
     "default": {},
@@ -73,23 +73,29 @@ def point(args: argparse.Namespace) -> dict:
     names = [f"{p['query']}/{p['doc']}" for p in plans_of(args.plans)]
     caches = {n: engine(tower, params, "cpu", "auto", 2 ** 40, plan=plan.at(p))[0]
               for n, p in zip(names, plans_of(args.plans))}
+    steps: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    start: dict[str, float] = {}
 
-    def step(name: str) -> dict[str, float]:
+    def before() -> None:  # timed_rounds times what follows: the step, then AdamW's
         opt.zero_grad(set_to_none=True)
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        cpu, wall = time.process_time(), time.perf_counter()
+        start.update(faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+                     cpu=time.process_time())
+
+    def step(name: str) -> None:
         caches[name].step(**inputs)
         opt.step()
-        return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
-                "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults}
+        steps[name].append({"cpu_s": time.process_time() - start["cpu"], "minor_faults":
+                            resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start["faults"]})
 
     for name in names:  # the first step of each makes the optimizer's states: untimed
+        before()
         step(name)
-    steps: dict[str, list[dict[str, float]]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            steps[name].append(step(name))
-            print(f"# round {r + 1}: {name} {steps[name][-1]}", file=sys.stderr, flush=True)
+        steps[name].clear()
+    wall = timed_rounds({n: (lambda n=n: step(n)) for n in names}, args.rounds, "cpu",
+                        before=before, warmup=False)
+    for name in names:
+        for record, seconds in zip(steps[name], wall[name]):
+            record["wall_s"] = seconds
     return {"steps": steps, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
