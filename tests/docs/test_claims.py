@@ -175,3 +175,26 @@ def test_the_cpu_bf16_cost_is_its_record():
     for page in ("docs/troubleshooting.md", "configs/demo_scifact.yaml"):
         has(page, ratio, "bench/results/cpu-bf16.json")
     assert not re.search(r"~1[01]x", text("docs/getting-started.md") + text("configs/demo_scifact.yaml"))
+
+
+def test_the_allocator_table_is_its_record():
+    """docs/choosing-sizes.md's allocator rows (median step, page faults, peak resident
+    memory of each setting and chunk plan) and the ratios drawn from them are
+    bench/results/cpu-allocator.json's."""
+    from cpu_allocator import SETTINGS
+
+    rows = result("cpu-allocator.json")["rows"]
+    names = {"default": "glibc as it comes",
+             **{k: "`" + " ".join(f"{a}={b}" for a, b in v.items()) + "`"
+                for k, v in SETTINGS.items() if v}}
+    figures = ["bench/results/cpu-allocator.json"]
+    for setting, r in rows.items():
+        for plan, s in r["summary"].items():
+            q, d = plan.split("/")
+            figures.append(f"| {names[setting]} | {q} / {d} | {s['median_wall_s']:.1f} s | "
+                           f"{s['median_minor_faults']:,.0f} | {r['peak_rss_mb']:,.0f} MB |")
+    small, large = (rows[k]["summary"] for k in ("default", "heap"))
+    figures += [f"{small['16/36']['median_wall_s'] / small['16/16']['median_wall_s']:.2f}x",
+                f"{large['16/36']['median_wall_s'] / large['16/16']['median_wall_s']:.2f}x",
+                f"{large['16/36']['median_wall_s'] / small['16/16']['median_wall_s']:.2f}x"]
+    has("docs/choosing-sizes.md", *figures)
