@@ -277,6 +277,7 @@ def _check_three_budgets(model: str, batch: int, length: int, budgets_mb: list[i
         assert p["peak_mb"] <= mb, p  # never over the budget, measured
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
 def test_a_tiny_bert_never_goes_over_its_budget_measured():
     _check_three_budgets("tiny-bert", 64, 128, [100, 130, 180])

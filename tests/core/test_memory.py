@@ -32,6 +32,7 @@ def measure(*args: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_one_step_at_batch_4096_adds_at_most_twice_floor_block_and_chunk():
     """Cached embeddings, their gradients, random states, parameter gradients, one 1,024 x
     4,096 loss block and one chunk: 2x that bounds the step; the dense loss's B x N logits

@@ -63,8 +63,11 @@ def model():
     return m
 
 
-@pytest.mark.parametrize("symmetric", [False, True], ids=["q2d", "symmetric"])
-@pytest.mark.parametrize("hard_negatives", [False, True], ids=["k0", "k1"])
+@pytest.mark.parametrize(("hard_negatives", "symmetric"), [
+    pytest.param(True, True, id="k1-symmetric"),
+    pytest.param(True, False, id="k1-q2d", marks=pytest.mark.slow),
+    pytest.param(False, True, id="k0-symmetric", marks=pytest.mark.slow),
+    pytest.param(False, False, id="k0-q2d", marks=pytest.mark.slow)])
 def test_loss_and_gradients_equal_mnrl(model, hard_negatives, symmetric):
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 

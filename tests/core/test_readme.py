@@ -42,6 +42,7 @@ def test_readme_example_runs_and_scores_the_batch():
     assert accuracy == 1.0 and 0 <= loss < 1   # each query's own document ranks first
 
 
+@pytest.mark.slow
 def test_example_runs_as_written_and_loss_goes_down():
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", _run("engine_example.py"))]
     assert len(losses) == 3 and losses[-1] < losses[0]

@@ -147,6 +147,7 @@ def test_mine_command_on_scifact_slice_with_real_model(sf_slice, tmp_path, capsy
     assert list((tmp_path / "cache" / "embeddings").glob("*.pt"))  # corpus embeddings cached
 
 
+@pytest.mark.slow
 def test_eval_command_on_200_document_slice(sf_slice, tmp_path, capsys):
     from pipeline_helpers import minilm_path
     from sentence_transformers import SentenceTransformer

@@ -67,6 +67,7 @@ def _growth(mode: str, path: Path, small: Path, out: Path) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss in KiB is Linux's")
 def test_validate_and_convert_hold_no_list_of_records(tmp_path):
     n = 150_000

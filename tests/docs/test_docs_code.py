@@ -118,7 +118,11 @@ def test_the_reader_finds_blocks_and_skips(tmp_path, monkeypatch):
         (23, "d = 4\n", "")]
 
 
-@pytest.mark.parametrize("page", PAGES)
+SLOW_PAGES = {"guides/jax.md"}  # JAX's first compilations: `make test-all` runs it
+
+
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PAGES
+                                  else p for p in PAGES])
 def test_page_code_blocks_run(page, tmp_path):
     blocks = [b for b in python_blocks(DOCS / page) if b.skip is None]
     spec = tmp_path / "blocks.json"

@@ -41,6 +41,7 @@ print("torch modules:", sorted(m for m in sys.modules if m == "torch" or m.start
 """
 
 
+@pytest.mark.slow
 def test_the_step_the_encoder_and_the_loss_run_without_torch(tmp_path):
     folder = tiny_bert(tmp_path / "bert")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"),

@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from pipeline_helpers import need_scifact
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_the_allocator_benchmark_runs_dry_and_writes_its_file(tmp_path):
     need_scifact()
     out = tmp_path / "cpu-allocator.json"

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(not SCIFACT.exists() or shutil.which("bash") is None,
                     reason="needs SciFact and bash")
+@pytest.mark.slow
 def test_the_gpu_benchmark_runs_dry_and_writes_its_files(tmp_path):
     results = tmp_path / "results"
     env = dict(os.environ, PY=sys.executable, RESULTS_DIR=str(results),

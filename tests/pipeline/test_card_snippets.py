@@ -72,6 +72,7 @@ def test_a_lora_text_card_has_no_machine_paths_and_its_snippets_run(assets, tmp_
     assert got["skipped"] == []
 
 
+@pytest.mark.slow
 def test_an_adapter_folder_card_warns_and_its_snippets_run(assets, tmp_path):
     """best/model of a LoRA run is an adapter (a checkpoint's model): the card says where
     sentence-transformers would drop it, and shows peft's loaders."""
@@ -85,6 +86,7 @@ def test_an_adapter_folder_card_warns_and_its_snippets_run(assets, tmp_path):
     run_card_snippets(card, {"run/best/model": str(model), "tiny": str(tiny)}, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_colbert_card_describes_a_multi_vector_model_and_its_snippets_run(assets, tmp_path):
     tiny, data = assets
     enc = _moved(MultiVectorTextEncoder(tiny, dim=16, max_length=64, query_length=12,

@@ -78,6 +78,7 @@ def _wait_worker(rank, world, port, out_path):
     run_cases(rank, world, port, out_path, {"slow_main": _slow_main_rank_cases}, timeout_s=2)
 
 
+@pytest.mark.slow
 def test_other_ranks_wait_for_the_main_rank_beyond_the_collective_timeout(tmp_path):
     """``--dist-timeout`` bounds collectives; an evaluation on rank 0 may take longer (the
     other ranks used to die in their barrier after --dist-timeout seconds)."""
@@ -196,6 +197,7 @@ def _same_weights(out, reference):
     return all(torch.equal(got[k], reference[k]) for k in reference)
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_after_one_step_and_the_resume_is_exact(
         preempt_setup, tmp_path):
     """Rank 1 alone gets SIGTERM: both ranks finish the step, agree, write that step's
@@ -222,6 +224,7 @@ def test_sigterm_to_one_rank_stops_both_after_one_step_and_the_resume_is_exact(
     assert _same_weights(out, reference)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_is_restarted_by_torchrun_and_continues_by_itself(preempt_setup,
                                                                          tmp_path):
     """SIGKILL on rank 1 (no handler runs): torchrun --max-restarts 1 starts both ranks again
