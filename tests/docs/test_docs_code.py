@@ -118,7 +118,9 @@ def test_the_reader_finds_blocks_and_skips(tmp_path, monkeypatch):
         (23, "d = 4\n", "")]
 
 
-SLOW_PAGES = {"guides/jax.md"}  # JAX's first compilations: `make test-all` runs it
+# `make test-all` runs these: JAX's first compilations; the trainers the integration tests
+# already run
+SLOW_PAGES = {"guides/jax.md", "guides/integrations.md"}
 
 
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PAGES

@@ -4,6 +4,7 @@ their usage snippets run (colpali-engine's is skipped where it is not installed)
 
 from __future__ import annotations
 
+import pytest
 from card_helpers import machine_paths, run_card_snippets
 
 from bigbatch.encoders import MultiVectorVisionEncoder, VisionLanguageEncoder
@@ -30,6 +31,7 @@ def test_a_vision_language_card(tiny_vl, tmp_path):
     assert len(got["ran"]) == 1 and not got["skipped"]
 
 
+@pytest.mark.slow
 def test_a_colqwen_card(tiny_vl, tmp_path):
     base = tiny_vl("qwen2_vl")
     run = tmp_path / "colqwen"
@@ -107,7 +109,6 @@ def test_the_colqwen_cards_colpali_snippet_gives_bigbatchs_tokens(tiny_vl, tmp_p
 def test_a_colpali_engine_folder_is_refused_naming_why(tiny_vl, tmp_path):
     """A folder colpali-engine saved (custom_text_proj, no bigbatch_encoder.json) was read
     as a single-vector model, its projection dropped: refused, naming what differs."""
-    import pytest
 
     from bigbatch.encoders import load_encoder
     from bigbatch.errors import ConfigError
@@ -125,7 +126,6 @@ def test_training_a_colqwen_folder_as_one_vector_per_text_is_refused(tiny_vl, tm
     """``bigbatch train --model <ColQwen folder>`` without ``--pooling multivector`` used to
     train a single-vector model on it, its per-token projection dropped: refused before
     step 1; with ``--pooling multivector`` the folder's projection is where training starts."""
-    import pytest
 
     from bigbatch.errors import ConfigError
     from bigbatch.train.build import build_encoder
