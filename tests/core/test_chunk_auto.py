@@ -99,7 +99,7 @@ def test_a_negative_queue_is_counted_in_the_floor_and_the_loss_block():
     row = plain.costs["doc"].row_bytes
     assert row == 16 * 8  # 16 float64 dims
     assert without.memory.negative_queue == 0
-    assert with_queue.memory.negative_queue == sizing.QUEUE_COPIES * queued * row
+    assert with_queue.memory.negative_queue == sizing.QUEUE_COPIES * queued * (row + 2 * 8)  # ids
     assert with_queue.memory.loss_block == loss_fn.memory_hint(
         {"query": 8, "doc": 16, "queued": queued}) > without.memory.loss_block
     assert with_queue.memory.total <= budget and without.memory.total <= budget

@@ -93,12 +93,13 @@ def test_a_resume_mid_way_equals_the_run_that_never_stopped(assets, straight, tm
 @pytest.mark.parametrize("chunk", [3, "auto"])
 def test_the_step_memory_counts_the_full_queue(assets, tmp_path, capsys, chunk):
     """The start line's estimate (fixed chunks) and the auto sizing's count the queue once
-    full: 1,000 steps of 16 documents, 32 wide in float32, held 3 times: 6 MB."""
+    full: 1,000 steps of 16 documents, 32 wide in float32 with two int64 ids, held 3 times:
+    7 MB."""
     train(config(assets, tmp_path / "r", negative_queue=1000, max_steps=1, save_steps=0,
                  grad_cache_chunk=chunk))
     line = next(l for l in capsys.readouterr().out.splitlines()
                 if l.startswith("bigbatch train:") and "records" in l)
-    mb = QUEUE_COPIES * 1000 * 16 * 32 * 4 / 2 ** 20
+    mb = QUEUE_COPIES * 1000 * 16 * (32 * 4 + 2 * 8) / 2 ** 20  # embeddings and two int64 ids
     assert f"negative queue {mb:,.0f} MB" in line, line
 
 

@@ -540,7 +540,7 @@ class GradCache:
                                 loss_kwargs or {}, device, world_size, queued_rows)
         emb = sum(rows[n] * costs[n].cost.row_bytes for n in rows)
         docs = costs.get("doc") or list(costs.values())[-1]  # what a queue holds: documents
-        queue = sizing.QUEUE_COPIES * queued_rows * docs.cost.row_bytes
+        queue = sizing.queue_bytes(queued_rows, docs.cost.row_bytes)
         if world_size > 1:  # the gathered embeddings of every rank, beside this rank's own
             emb += sum(rows[n] * world_size * costs[n].cost.row_bytes for n in rows)
         params = self._trainable_params()

@@ -53,7 +53,8 @@ from ..errors import ConfigError
 __all__ = ["StepMemory", "ActivationCost", "ChunkPlan", "activation_bytes", "choose_chunks",
            "free_memory", "check_budget", "budget_bytes", "optimizer_state_bytes", "PeakMemory",
            "CPU_RNG_STATE_BYTES", "DEVICE_RNG_STATE_BYTES", "OPTIMIZER_STATES", "ACTIVATION_MARGIN",
-           "STEP_OVERHEAD", "MiB", "PADDING_TOLERANCE", "QUEUE_COPIES", "padded_tokens", "padding_cap"]
+           "STEP_OVERHEAD", "MiB", "PADDING_TOLERANCE", "QUEUE_COPIES", "QUEUE_ID_BYTES", "queue_bytes",
+           "padded_tokens", "padding_cap"]
 
 MiB = 2 ** 20
 
@@ -84,6 +85,16 @@ QUEUE_COPIES = 3
 """A negative queue's documents are held this many times at a step's peak: each step's
 embeddings as queued, their joined copy (:meth:`bigbatch.losses.queue.NegativeQueue.queued`)
 and the loss's columns, the batch's documents then the queued ones."""
+
+QUEUE_ID_BYTES = 16
+"""What a queued document holds beside its embedding: its id and the id of the query it came
+with (int64 each, :class:`bigbatch.losses.queue.NegativeQueue`)."""
+
+
+def queue_bytes(rows: int, row_bytes: int) -> int:
+    """A negative queue of ``rows`` documents at a step's peak: each document's embedding
+    (``row_bytes``) and its two ids, held :data:`QUEUE_COPIES` times."""
+    return QUEUE_COPIES * rows * (row_bytes + QUEUE_ID_BYTES)
 
 # tensors per parameter an optimizer keeps, before its first step has made them (Adam's
 # two moments, momentum's one); an optimizer not named here is counted as Adam

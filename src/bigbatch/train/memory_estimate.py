@@ -14,7 +14,7 @@ kept for reuse) and nothing that grows faster with the batch:
   block rule of :mod:`bigbatch.losses.blockwise`; the dense loss holds about four ``B x N``
   tensors instead;
 - a negative queue's documents (``--negative-queue``), more columns of the loss and their
-  embeddings held a few times (:data:`~bigbatch.engine.sizing.QUEUE_COPIES`).
+  embeddings and ids held a few times (:func:`~bigbatch.engine.sizing.queue_bytes`).
 
 Everything here is arithmetic on sizes except :func:`activation_bytes`, which runs the
 given function once. The inputs are not counted: they exist before the step, and the
@@ -31,9 +31,9 @@ from collections.abc import Mapping
 from ..engine.sizing import (
     CPU_RNG_STATE_BYTES,
     DEVICE_RNG_STATE_BYTES,
-    QUEUE_COPIES,
     StepMemory,
     activation_bytes,
+    queue_bytes,
 )
 from ..losses.layout import MAX_BLOCK_LOGITS, loss_block_bytes
 
@@ -64,8 +64,9 @@ def estimate_step_memory(rows: Mapping[str, int], dims: int | Mapping[str, int],
         element_size: bytes per embedding and logit element (4 for float32).
         accelerators: accelerator devices whose random state each chunk records.
         queued_rows: a negative queue's documents (``--negative-queue`` steps of the global
-            batch's): extra columns of the loss, their embeddings held
-            :data:`~bigbatch.engine.sizing.QUEUE_COPIES` times.
+            batch's): extra columns of the loss, their embeddings and ids held
+            :data:`~bigbatch.engine.sizing.QUEUE_COPIES` times
+            (:func:`~bigbatch.engine.sizing.queue_bytes`).
 
     Returns:
         :class:`StepMemory`; ``.total`` is the estimate in bytes.
@@ -80,7 +81,7 @@ def estimate_step_memory(rows: Mapping[str, int], dims: int | Mapping[str, int],
     n = rows[names[-1]] if loss_columns is None else loss_columns
     loss = loss_block_bytes(b, n + queued_rows, block_size, dense, max_block_logits, masked,
                             element_size)
-    queue = QUEUE_COPIES * queued_rows * dim[names[-1]] * element_size
+    queue = queue_bytes(queued_rows, dim[names[-1]] * element_size)
     return StepMemory(embeddings=emb, embedding_grads=emb, rng_states=rng,
                       parameter_grads=parameter_bytes, chunk_activations=chunk_activation_bytes,
                       loss_block=loss, negative_queue=queue)
