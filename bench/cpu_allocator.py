@@ -70,9 +70,10 @@ def point(args: argparse.Namespace) -> dict:
     tower, params, inputs = build(args.model, "cpu", args.max_length, args.batch)
     sizer, opt = engine(tower, params, "cpu", "auto", 2 ** 40)
     plan = sizer.plan_chunks(inputs, use=False)
-    names = [f"{p['query']}/{p['doc']}" for p in plans_of(args.plans)]
+    plans = {f"{p['query']}/{p['doc']}": p for p in plans_of(args.plans)}
+    names = list(plans)
     caches = {n: engine(tower, params, "cpu", "auto", 2 ** 40, plan=plan.at(p))[0]
-              for n, p in zip(names, plans_of(args.plans))}
+              for n, p in plans.items()}
     steps: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     start: dict[str, float] = {}
 
